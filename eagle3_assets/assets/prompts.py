@@ -1,0 +1,106 @@
+import hashlib
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Literal, Optional
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field
+
+from ..hosts import GpuHost
+from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, is_eval, load_source
+
+TRAIN, EVAL, EVAL_HUMANEVAL = "prompts/train.parquet", "prompts/eval.parquet", "prompts/eval_humaneval.parquet"
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("num_user_turns", pa.int32()),
+])
+
+
+class PromptsConfig(dg.Config):
+    sources: list[str] = Field(default=[BUNDLED], description="'bundled' and/or paths or fsspec URLs of ShareGPT, "
+                               "UltraChat or OpenAI-messages files (.json, .jsonl, .parquet, optionally .gz)")
+    eval_fraction: float = Field(default=0.05, description="share held out for evaluation (never trained on)")
+    max_user_turns: int = Field(default=8, description="keep at most this many user turns per conversation")
+    max_message_chars: int = Field(default=8000, description="truncate longer messages")
+    max_train_conversations: Optional[int] = Field(default=None, description="cap on the training split")
+    include_humaneval: bool = Field(default=True, description="also write HumanEval's 164 prompts as an eval set")
+    on_bad_record: Literal["fail", "skip"] = Field(default="fail", description="what a malformed record does")
+
+
+def _table(convs) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"id": c.id, "source": c.source, "messages": c.messages,
+          "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs], schema=SCHEMA)
+
+
+@dg.asset(group_name="data", kinds={"parquet"}, code_version="1")
+def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+    """Conversations to regenerate, deduplicated and cleaned, split into train and a held-out eval set
+    (plus HumanEval). Only `prompts/train.parquet` feeds training assets."""
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise dg.Failure(description=f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
+    stats, seen, convs, dupes = LoadStats(), set(), [], 0
+    try:
+        for source in config.sources:
+            for conv in load_source(source, max_user_turns=config.max_user_turns,
+                                    max_message_chars=config.max_message_chars,
+                                    on_bad_record=config.on_bad_record, stats=stats):
+                if conv.key in seen:
+                    dupes += 1
+                    continue
+                seen.add(conv.key)
+                convs.append(conv)
+        extra_eval = humaneval() if config.include_humaneval else []
+    except PromptError as e:
+        raise dg.Failure(description=str(e), allow_retries=False) from e
+    for p in stats.problems[:20]:
+        context.log.warning(f"skipped: {p}")
+    if not convs:
+        raise dg.Failure(description=f"no usable conversations in {config.sources}")
+
+    train = [c for c in convs if not is_eval(c.key, config.eval_fraction)]
+    evals = [c for c in convs if is_eval(c.key, config.eval_fraction)]
+    if config.eval_fraction > 0 and not evals and len(train) > 1:
+        evals.append(train.pop())  # a tiny set still gets an eval conversation
+    if config.max_train_conversations is not None:
+        train = train[: config.max_train_conversations]
+    if not train:
+        raise dg.Failure(description="every conversation went to the eval split: lower eval_fraction or add prompts")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, rows in [(TRAIN, train), (EVAL, evals)] + ([(EVAL_HUMANEVAL, extra_eval)] if extra_eval else []):
+            local = Path(tmp) / Path(rel).name
+            pq.write_table(_table(rows), local)
+            gpu_host.put_file(str(local), rel)
+
+    version = hashlib.sha256(json.dumps([[c.id, c.messages] for c in train], ensure_ascii=False).encode()).hexdigest()
+    by_source = Counter(c.source for c in train)
+    preview = "\n".join(f"- `{c.source}` {c.messages[0]['content'][:100]!r}" for c in train[:5])
+    return dg.MaterializeResult(
+        metadata={
+            "train_path": dg.MetadataValue.path(TRAIN),
+            "eval_path": dg.MetadataValue.path(EVAL),
+            "eval_humaneval_path": dg.MetadataValue.path(EVAL_HUMANEVAL if extra_eval else ""),
+            "train_conversations": len(train),
+            "eval_conversations": len(evals),
+            "humaneval_eval_conversations": len(extra_eval),
+            "records_read": stats.records,
+            "duplicates_dropped": dupes,
+            "empty_turns_dropped": stats.empty_turns_dropped,
+            "messages_truncated": stats.messages_truncated,
+            "conversations_turn_capped": stats.turns_capped,
+            "bad_records_skipped": stats.bad_records_skipped,
+            "train_by_source": dg.MetadataValue.json(dict(by_source)),
+            "multi_turn_share": round(sum(sum(m["role"] == "user" for m in c.messages) > 1 for c in train) / len(train), 4),
+            "dagster/row_count": len(train),
+            "preview": dg.MetadataValue.md(preview),
+        },
+        data_version=dg.DataVersion(version[:32]),
+    )

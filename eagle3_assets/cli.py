@@ -1,0 +1,73 @@
+"""`eagle3-assets materialize`: the whole graph that exists, on the embedded default or a run-config
+file, recorded in the Dagster instance at $DAGSTER_HOME (so the UI and later runs see it)."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+import os
+import sys
+import time
+from pathlib import Path
+
+QUIET_LOGGERS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+
+
+def _instance():
+    if not os.environ.get("DAGSTER_HOME"):
+        home = Path.cwd() / "dagster_home"
+        if not (home / "dagster.yaml").exists():
+            sys.exit("DAGSTER_HOME is not set and ./dagster_home/dagster.yaml does not exist: run from the "
+                     "project root or `export DAGSTER_HOME=/abs/path/to/dagster_home`")
+        os.environ["DAGSTER_HOME"] = str(home.resolve())
+    from dagster import DagsterInstance
+
+    return DagsterInstance.get()
+
+
+def _ops_config(run_config: dict, assets: list[str]) -> dict:
+    ops = run_config.get("ops", {})
+    return {**QUIET_LOGGERS, "ops": {a: ops[a] for a in assets if a in ops}}
+
+
+def materialize(args) -> int:
+    warnings.filterwarnings("ignore", message=".*(preview|beta).*", category=Warning)
+    instance = _instance()
+    import yaml
+
+    from .definitions import PREPARE_DATA, defs
+    from .assets.partitions import shard_partitions
+
+    run_config = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    t0 = time.monotonic()
+    print(f"==> prepare_data: {', '.join(PREPARE_DATA)}  (instance: {os.environ['DAGSTER_HOME']})", flush=True)
+    res = defs.resolve_job_def("prepare_data").execute_in_process(
+        instance=instance, run_config=_ops_config(run_config, PREPARE_DATA), raise_on_error=False)
+    if not res.success:
+        print(f"prepare_data failed (run {res.run_id}); see the run in the Dagster UI", file=sys.stderr)
+        return 1
+    keys = instance.get_dynamic_partitions(shard_partitions.name)
+    job = defs.resolve_job_def("extract_hidden_states")
+    for i, key in enumerate(keys, 1):
+        print(f"==> hidden_state_shards {key} ({i}/{len(keys)})", flush=True)
+        res = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False,
+                                     run_config=_ops_config(run_config, ["hidden_state_shards"]))
+        if not res.success:
+            print(f"shard {key} failed (run {res.run_id}); rerun that partition alone from the UI", file=sys.stderr)
+            return 1
+    print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
+          "`dagster dev -w workspace.yaml`", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-assets")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
+    m.add_argument("--config", help="run config YAML: {ops: {<asset>: {config: {...}}}}, as in the UI launchpad")
+    ns = ap.parse_args(argv)
+    return materialize(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

