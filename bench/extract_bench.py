@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3_assets.worker.extract import HiddenStateCapture, Sample, extract_samples, make_batches  # noqa: E402
+from eagle3_assets.worker.extract import HiddenStateCapture, Sample, extract_samples, make_batches, pad_batch  # noqa: E402
 from eagle3_assets.worker.shard_format import default_aux_layers  # noqa: E402
 
 SHAPES = {
@@ -83,13 +83,7 @@ def run_forward(model, samples, aux, batch_tokens):
     dev = next(model.parameters()).device
     with torch.inference_mode():
         for batch in make_batches(samples, batch_tokens):
-            L = len(batch[0].input_ids)
-            ids = torch.zeros((len(batch), L), dtype=torch.long)
-            att = torch.zeros((len(batch), L), dtype=torch.long)
-            for b, s in enumerate(batch):
-                ids[b, : len(s.input_ids)] = torch.tensor(s.input_ids)
-                att[b, : len(s.input_ids)] = 1
-            cap(ids.to(dev), att.to(dev))
+            cap(pad_batch(batch)[0].to(dev))
     cap.close()
 
 

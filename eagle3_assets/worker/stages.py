@@ -18,4 +18,7 @@ STAGES = {
     "generate": _lazy("generate"),
     "extract": _lazy("extract"),
     "vocab": _lazy("vocab"),
+    "train": _lazy("train"),
+    "export": _lazy("export"),
+    "speculate": _lazy("speculate"),
 }

@@ -119,7 +119,7 @@ def describe(path: Path, cfg) -> dict:
         "hidden_size": int(tc.hidden_size),
         "vocab_size": int(tc.vocab_size),
         "parameters": parameter_count(path),
-        "dtype": str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", "")),
+        "dtype": str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", "")).removeprefix("torch."),
         "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 0) or 0),
     }
 

@@ -1,0 +1,115 @@
+"""Stage `export`: the drafter in the directory layouts vLLM and SGLang load as they stand, each
+validated against its contract before it is published.
+
+Aux layer ids: a drafter trained on the default layers gets no ids in its config (both engines then capture
+exactly those layers); otherwise each dialect gets them in its engine's convention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import ARCH, config_dict, load_drafter_dir, weights_hash
+from .errors import StageError
+from .files import replace_dir, resolve
+from .shard_format import default_aux_layers
+from .target import load_config, text_config
+
+DIALECTS = ("vllm", "sglang")
+# speculators-era flags that the plain EAGLE-3 layer of these engines does not implement
+_FOREIGN_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")
+
+
+def layer_fields(dialect: str, aux: list[int], num_layers: int) -> dict:
+    if aux == default_aux_layers(num_layers):
+        return {}
+    if dialect == "vllm":  # vLLM captures *before* layer i: ours + 1
+        return {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux]}
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}}
+
+
+def engine_capture_layers(dialect: str, cfg: dict, num_layers: int) -> list[int]:
+    """Which target layers (our convention) the engine will capture for this config: what it reads, as it
+    reads it (vLLM: top-level ids, capture-before; SGLang: eagle_config ids + 1; else default)."""
+    if dialect == "vllm":
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        return [i - 1 for i in ids] if ids else default_aux_layers(num_layers)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else default_aux_layers(num_layers)
+
+
+def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
+    """The contract of one export directory; returns what was checked, raises naming the offending field."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("architectures") != [ARCH]:
+        raise StageError(f"{d}: config field architectures is {cfg.get('architectures')}, must be [{ARCH!r}]")
+    for f in ("draft_vocab_size", "target_hidden_size"):
+        if f not in cfg:
+            raise StageError(f"{d}: config field {f!r} is missing")
+    if cfg["target_hidden_size"] != tc.hidden_size or cfg["vocab_size"] != tc.vocab_size:
+        raise StageError(f"{d}: config fields target_hidden_size/vocab_size ({cfg['target_hidden_size']}, "
+                         f"{cfg['vocab_size']}) do not match the target ({tc.hidden_size}, {tc.vocab_size})")
+    if cfg.get("max_position_embeddings", 0) < tc.max_position_embeddings:
+        raise StageError(f"{d}: config field max_position_embeddings {cfg.get('max_position_embeddings')} is below the "
+                         f"target's {tc.max_position_embeddings}: rotary lookups past it go out of bounds in vLLM")
+    bad = [f for f in _FOREIGN_FLAGS if f in cfg]
+    if bad:
+        raise StageError(f"{d}: config fields {bad} are not understood by the plain EAGLE-3 layer of vLLM/SGLang")
+    captured = engine_capture_layers(dialect, cfg, tc.num_hidden_layers)
+    if captured != list(aux):
+        raise StageError(f"{d}: {dialect} would capture target layers {captured} (output-of-layer) but the drafter was "
+                         f"trained on {list(aux)}: acceptance would collapse without an error")
+    tensors = {}
+    for f in sorted(d.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if any("embed_tokens" in k for k in tensors):
+        raise StageError(f"{d}: holds embed_tokens; the engines share the target's embeddings, drop it")
+    if dialect == "sglang" and any(not k.startswith(("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")) for k in tensors):
+        raise StageError(f"{d}: SGLang loads `midlayer.*`-style names only; other names are dropped silently")
+    load_drafter_dir(d, tc)  # the tensor contract: names, shapes, dtypes
+    return {"tensors": len(tensors), "captured_layers": captured, "config_keys": sorted(cfg)}
+
+
+def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
+    from safetensors.torch import save_file
+
+    c, w = load_drafter_dir(src, tc)
+    cfg = config_dict(c, "bfloat16", tc.max_position_embeddings)
+    cfg.update(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers))
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in w.items()}
+    tmp = out.with_name(f".tmp-{out.name}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    checked = validate_export(tmp, dialect, tc, c.aux_layer_ids)
+    replace_dir(tmp, out)
+    return {"path": str(out), "layer_ids": "omitted (engine defaults)" if not layer_fields(dialect, c.aux_layer_ids,
+            tc.num_hidden_layers) else json.dumps(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers)),
+            "bytes": sum(p.stat().st_size for p in out.iterdir()), **checked}
+
+
+def run(workdir: str, args: dict, reporter) -> None:
+    src = resolve(workdir, args["drafter"])
+    out = resolve(workdir, args["out"])
+    tc = text_config(load_config(resolve(workdir, args["target"])))
+    dialects = args.get("dialects") or list(DIALECTS)
+    unknown = [x for x in dialects if x not in DIALECTS]
+    if unknown:
+        raise StageError(f"unknown export dialects {unknown}; choose from {list(DIALECTS)}")
+    meta = {}
+    for dialect in dialects:
+        info = write_export(src, out / dialect, dialect, tc)
+        reporter.log(f"{dialect} export: {info['path']} ({info['tensors']} tensors, layer ids {info['layer_ids']})")
+        meta[f"{dialect}_path"] = info["path"]
+        meta[f"{dialect}_layer_ids"] = info["layer_ids"]
+        meta[f"{dialect}_bytes"] = info["bytes"]
+    meta["source"] = str(src)
+    meta["validated"] = True
+    version = weights_hash(out / dialects[0])
+    reporter.materialize(metadata=meta, data_version=version)
+    reporter.result({**meta, "data_version": version})

@@ -1,0 +1,264 @@
+"""Stage `train`: the EAGLE-3 drafter, trained with training-time test (TTT).
+
+For every position t the draft sees the next token x[t+1] and the target's aux hidden states at t, and
+predicts the target's distribution at t+1; then it unrolls k-1 more steps on its own output hidden states
+(tokens shifted by one each step), as it will at inference. Loss: soft-label cross-entropy against the
+target's softmax restricted to the draft vocab (computed from the stored final hidden state through the
+target's norm and lm_head), step weights 0.8^i; positions whose target argmax is outside the draft vocab
+are masked out of the loss and count as misses in the accuracy.
+
+Resumable: checkpoints hold weights, optimizer, scheduler, step, epoch and the RNG state; the data order is
+a function of (seed, epoch), so a resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import DraftConfig, Eagle3Drafter, init_weights, ttt_mask
+from .errors import StageError
+from .files import resolve, write_json
+from .target import load_config, text_config
+from .target_head import load_target_head
+from .train_data import ShardSet, collate, plan_batches
+
+TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
+              "step_decay")
+DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_steps=7, row_tokens=2048,
+                rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0)
+
+
+def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + n], padded at the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, dtype):
+    """Returns (weighted loss, [loss_i], [acc_i], positions counted)."""
+    d2t_ids = torch.arange(model.config.draft_vocab_size, device=model.d2t.device) + model.d2t
+    to_draft = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=model.d2t.device)
+    to_draft[d2t_ids] = torch.arange(model.config.draft_vocab_size, device=model.d2t.device)
+    with torch.no_grad():
+        tlogits = head(batch["final"].to(dtype))
+        t_arg = tlogits.argmax(-1)
+        t_draft = to_draft[t_arg]  # -1: the target's choice is not expressible in the draft vocab
+        target_p = torch.softmax(tlogits[..., d2t_ids].float(), dim=-1)
+        del tlogits
+    ids, doc, pos, lmask = batch["input_ids"], batch["doc"], batch["pos"], batch["loss_mask"]
+    hidden = model.fc(batch["aux"].to(dtype))
+    cache: list = []
+    total, losses, accs = 0.0, [], []
+    for i in range(steps):
+        n = i + 1
+        same = (shift(doc, n, -2) == doc) & (doc >= 0)
+        counted = same & shift(lmask, n, False)
+        valid = counted & (shift(t_draft, n, -1) >= 0)
+        plain_causal = i == 0 and doc.shape[0] == 1 and bool((doc == 0).all())  # one whole document
+        mask = None if plain_causal else ttt_mask(doc, i)
+        hidden = model.step(shift(ids, n), hidden, pos + i, cache, mask)
+        logits = model.logits(hidden).float()
+        denom = counted.sum().clamp(min=1)
+        logp = torch.log_softmax(logits, dim=-1)
+        loss_i = -(shift(target_p, n) * logp).sum(-1)[valid].sum() / denom
+        acc_i = ((logits.argmax(-1) == shift(t_draft, n, -1)) & valid).sum().float() / denom
+        total = total + (decay ** i) * loss_i
+        losses.append(loss_i.detach())
+        accs.append(acc_i.detach())
+    return total, losses, accs, int(counted.sum()) if steps else 0
+
+
+def _lr_lambda(total_steps: int, warmup: int):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def simulated_acceptance_length(accs: list[float]) -> float:
+    """1 (the bonus token) + Σ_k Π_{j≤k} acc_j, comparable to the engines' mean acceptance length."""
+    total, prod = 1.0, 1.0
+    for a in accs:
+        prod *= a
+        total += prod
+    return total
+
+
+def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
+    tmp = ckpt_dir.with_name(f".tmp-{ckpt_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({"model": {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")},
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "rng": torch.get_rng_state(), **state}, tmp / "training_state.pt")
+    from .files import replace_dir
+
+    replace_dir(tmp, ckpt_dir)
+    write_json(ckpt_dir.parent / "latest.json", {"checkpoint": ckpt_dir.name, **{k: state[k] for k in ("step", "epoch")}})
+    for old in ckpt_dir.parent.glob("step-*"):  # only the latest is needed to resume
+        if old.name != ckpt_dir.name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def run(workdir: str, args: dict, reporter) -> None:
+    from .checkpoint import load_drafter_dir, save_drafter_dir
+
+    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and v is not None}}
+    out = resolve(workdir, args["out"])
+    target = resolve(workdir, args["target"])
+    tc = text_config(load_config(target))
+    device = args.get("device", "auto")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch.manual_seed(int(hp["seed"]))
+    if device == "cpu":
+        torch.use_deterministic_algorithms(True)
+
+    shard_dirs = [resolve(workdir, s) for s in args["shards"]]
+    head = load_target_head(target, tc.rms_norm_eps)
+    init = args.get("init_from")
+    if init:
+        init_dir = resolve(workdir, init)
+        cfg, weights = load_drafter_dir(init_dir, tc)
+        reporter.log(f"finetuning {init_dir}: its draft vocab ({cfg.draft_vocab_size}) and aux layers "
+                     f"{cfg.aux_layer_ids} are reused")
+        data = ShardSet(shard_dirs, tc.hidden_size, cfg.aux_layer_ids)
+    else:
+        from safetensors.torch import load_file
+
+        vocab = load_file(str(resolve(workdir, args["vocab"])))
+        d2t, t2d = vocab["d2t"], vocab["t2d"]
+        if t2d.shape[0] != tc.vocab_size:
+            raise StageError(f"vocab mapping {args['vocab']}: field t2d covers {t2d.shape[0]} target ids but the "
+                             f"target vocab has {tc.vocab_size}: it was built for another model; rematerialize "
+                             "vocab_mapping")
+        if int((torch.arange(d2t.shape[0]) + d2t).max()) >= tc.vocab_size or int(t2d.sum()) != d2t.shape[0]:
+            raise StageError(f"vocab mapping {args['vocab']}: d2t and t2d disagree (d2t maps to ids outside the "
+                             "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
+        data = ShardSet(shard_dirs, tc.hidden_size)
+        cfg = DraftConfig.from_target(tc, d2t.shape[0], data.aux_layer_ids)
+        weights = None
+
+    model = Eagle3Drafter(cfg, head.embed.float())
+    if weights is None:
+        init_weights(model)
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        with torch.no_grad():  # start from the target's own output rows: a head that already speaks its vocab
+            model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + d2t].float())
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert set(missing) <= {"embed_tokens.weight"} and not unexpected, (missing, unexpected)
+    model.to(device)
+    head.to(device=device, dtype=dtype)
+    for p in model.embed_tokens.parameters():
+        p.requires_grad_(False)
+
+    lengths = [r.length for r in data.refs]
+    plans = [plan_batches(lengths, e, int(hp["seed"]), int(hp["row_tokens"]), int(hp["rows_per_batch"]))
+             for e in range(int(hp["epochs"]))]
+    total_steps = sum(len(p) for p in plans)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
+
+    # A checkpoint only resumes the run it belongs to: same data, same settings.
+    fingerprint = hashlib.sha256(json.dumps({"hp": {k: hp[k] for k in TRAIN_KEYS}, "shards": [str(s) for s in shard_dirs],
+                                             "refs": len(data.refs), "init": str(init), "target": str(target)},
+                                            sort_keys=True).encode()).hexdigest()[:16]
+    ckpts = out / "checkpoints"
+    step, start_epoch = 0, 0
+    latest = ckpts / "latest.json"
+    if latest.exists() and args.get("resume", True):
+        info = json.loads(latest.read_text())
+        state = torch.load(ckpts / info["checkpoint"] / "training_state.pt", map_location=device, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise StageError(f"{ckpts} holds a checkpoint of a run with other data or settings: use another output "
+                             "name, or resume=false to start over")
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        step = state["step"]
+        reporter.log(f"resuming from {info['checkpoint']} (step {step} of {total_steps})")
+    elif ckpts.exists():
+        shutil.rmtree(ckpts)
+
+    steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
+    save_every = int(hp["save_every_steps"])
+    sum_loss = torch.zeros(steps_k)
+    sum_acc = torch.zeros(steps_k)
+    n_batches, tokens, t0 = 0, 0, time.monotonic()
+    epoch_tokens = data.tokens
+    with reporter.progress("train", total_steps * 1, unit="steps") as prog:
+        prog.update(step)
+        done = 0
+        for epoch, plan in enumerate(plans):
+            for b, rows in enumerate(plan):
+                if done < step:
+                    done += 1
+                    continue
+                batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, rows, int(hp["row_tokens"])).items()}
+                loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+                done += 1
+                ntok = int((batch["doc"] >= 0).sum())
+                tokens += ntok
+                if epoch == len(plans) - 1:  # the last epoch's figures describe the final weights
+                    sum_loss += torch.stack(losses).float().cpu()
+                    sum_acc += torch.stack(accs).float().cpu()
+                    n_batches += 1
+                prog.update(1, tokens=ntok)
+                end_of_epoch = b == len(plan) - 1
+                if end_of_epoch or (save_every and step % save_every == 0):
+                    _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
+                                     {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
+    wall = time.monotonic() - t0
+    model_dir = out / "model"
+    save_drafter_dir(model, model_dir, target_info={"path": str(target), "model_type": tc.model_type,
+                                                    "num_layers": tc.num_hidden_layers})
+    from .checkpoint import weights_hash
+
+    acc = (sum_acc / max(n_batches, 1)).tolist()
+    loss_per = (sum_loss / max(n_batches, 1)).tolist()
+    meta = {
+        "path": str(model_dir),
+        "init": "finetune" if init else "scratch",
+        "init_from": str(init) if init else "",
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "aux_layer_ids": cfg.aux_layer_ids,
+        "draft_vocab_source": f"reused from {init}" if init else str(args.get("vocab")),
+        "epochs": int(hp["epochs"]),
+        "steps": step,
+        "ttt_steps": steps_k,
+        "train_tokens_per_epoch": epoch_tokens,
+        "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
+        "wall_s": round(wall, 1),
+        "device": device,
+        "final_loss": round(loss_per[0], 5) if loss_per else None,
+        "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
+        **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
+        **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
+        "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},
+    }
+    version = weights_hash(model_dir)
+    reporter.materialize(metadata=meta, data_version=version)
+    reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length")}, "data_version": version,
+                     "acc": acc, "loss": loss_per})

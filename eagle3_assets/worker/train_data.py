@@ -1,0 +1,133 @@
+"""Training batches from hidden-state shards, read through memory maps (the data can be far larger than
+RAM), packed into rows of whole samples, in an order fixed by (seed, epoch) so that a resumed run sees
+exactly the batches an uninterrupted one would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from .errors import StageError
+from .shard_format import INDEX, read_manifest
+
+
+@dataclass(frozen=True)
+class Ref:
+    part: Path
+    offset: int
+    length: int
+
+
+class ShardSet:
+    def __init__(self, shard_dirs: list[Path], hidden_size: int, aux_layer_ids: list[int] | None = None):
+        self.refs: list[Ref] = []
+        self.aux_layer_ids = None
+        self._handles: dict[Path, object] = {}
+        for d in shard_dirs:
+            m = read_manifest(d)
+            if m is None:
+                raise StageError(f"hidden-state shard {d} is missing or incomplete (no manifest): rerun that "
+                                 "hidden_state_shards partition")
+            if m["hidden_size"] != hidden_size:
+                raise StageError(f"hidden states in {d} are {m['hidden_size']}-wide (field hidden_size of its "
+                                 f"manifest) but the target's hidden size is {hidden_size}: they were extracted from "
+                                 "another model; rematerialize hidden_state_shards with this target")
+            if self.aux_layer_ids is None:
+                self.aux_layer_ids = list(m["aux_layer_ids"])
+            elif list(m["aux_layer_ids"]) != self.aux_layer_ids:
+                raise StageError(f"shard {d} was extracted with aux layers {m['aux_layer_ids']}, others with "
+                                 f"{self.aux_layer_ids}: rematerialize all shards with the same aux_layers")
+            for f in m["files"]:
+                p = d / f["name"]
+                if not p.exists() or p.stat().st_size != f["bytes"]:
+                    raise StageError(f"{p} is missing or not the size its manifest records ({f['bytes']} bytes): "
+                                     "rerun that hidden_state_shards partition")
+                self._check_part(p, f["tokens"], hidden_size)
+            for r in pq.read_table(d / INDEX).to_pylist():
+                self.refs.append(Ref(d / r["part"], r["offset"], r["length"]))
+        if aux_layer_ids is not None and self.aux_layer_ids is not None and list(aux_layer_ids) != self.aux_layer_ids:
+            raise StageError(f"the drafter reads aux layers {list(aux_layer_ids)} but the hidden states hold layers "
+                             f"{self.aux_layer_ids}: rematerialize hidden_state_shards with aux_layers "
+                             f"{list(aux_layer_ids)} (output-of-layer convention)")
+        if not self.refs:
+            raise StageError("the hidden-state shards hold no samples")
+
+    def _handle(self, part: Path):
+        from safetensors import safe_open
+
+        h = self._handles.get(part)
+        if h is None:
+            h = self._handles[part] = safe_open(str(part), "pt")
+        return h
+
+    def _check_part(self, part: Path, tokens: int, hidden: int) -> None:
+        st = self._handle(part)
+        want = {"input_ids": [tokens], "loss_mask": [tokens], "aux": [tokens, 3 * hidden], "final": [tokens, hidden]}
+        for name, shape in want.items():
+            if name not in st.keys():
+                raise StageError(f"{part}: tensor {name!r} is missing")
+            got = list(st.get_slice(name).get_shape())
+            if got != shape:
+                raise StageError(f"{part}: tensor {name!r} has shape {got}, expected {shape} for a target with "
+                                 f"hidden size {hidden}: the hidden states do not match the target")
+
+    def read(self, ref: Ref) -> dict[str, torch.Tensor]:
+        st = self._handle(ref.part)
+        sl = slice(ref.offset, ref.offset + ref.length)
+        return {k: st.get_slice(k)[sl] for k in ("input_ids", "loss_mask", "aux", "final")}
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.length for r in self.refs)
+
+
+def plan_batches(n_refs: list[int], epoch: int, seed: int, row_tokens: int, rows_per_batch: int) -> list[list[list[int]]]:
+    """Batches of rows of sample indices. n_refs[i] = length of sample i. Deterministic in (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(n_refs), generator=g).tolist()
+    batches, rows, row, used = [], [], [], 0
+    for i in order:
+        ln = min(n_refs[i], row_tokens)
+        if row and used + ln > row_tokens:
+            rows.append(row)
+            row, used = [], 0
+            if len(rows) == rows_per_batch:
+                batches.append(rows)
+                rows = []
+        row.append(i)
+        used += ln
+    if row:
+        rows.append(row)
+    if rows:
+        batches.append(rows)
+    return batches
+
+
+def collate(data: ShardSet, rows: list[list[int]], row_tokens: int) -> dict[str, torch.Tensor]:
+    """Pack rows into [B, T] tensors; `doc` numbers the samples in a row (-1 = padding), `pos` restarts at 0
+    for each sample, as the engines' positions do."""
+    samples = [[data.read(data.refs[i]) for i in row] for row in rows]
+    T = min(row_tokens, max(sum(min(s["input_ids"].shape[0], row_tokens) for s in row) for row in samples))
+    B = len(rows)
+    first = samples[0][0]
+    h3, h = first["aux"].shape[1], first["final"].shape[1]
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+           "aux": torch.zeros(B, T, h3, dtype=first["aux"].dtype), "final": torch.zeros(B, T, h, dtype=first["final"].dtype),
+           "doc": torch.full((B, T), -1, dtype=torch.long), "pos": torch.zeros(B, T, dtype=torch.long)}
+    for b, row in enumerate(samples):
+        o = 0
+        for d, s in enumerate(row):
+            ln = min(s["input_ids"].shape[0], T - o)
+            if ln <= 0:
+                break
+            out["input_ids"][b, o:o + ln] = s["input_ids"][:ln]
+            out["loss_mask"][b, o:o + ln] = s["loss_mask"][:ln].bool()
+            out["aux"][b, o:o + ln] = s["aux"][:ln]
+            out["final"][b, o:o + ln] = s["final"][:ln]
+            out["doc"][b, o:o + ln] = d
+            out["pos"][b, o:o + ln] = torch.arange(ln)
+            o += ln
+    return out

@@ -1,0 +1,82 @@
+"""Shared fixtures: one real Dagster instance (SQLite in a temp dir), one local GPU host work directory,
+and the data half of the graph materialized once on the embedded SmolLM2 at tiny sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from eagle3_assets.assets import data_assets
+from eagle3_assets.hosts import LocalGpuHost
+
+
+# Tiny but real: 6 training conversations, 3 per shard, short replies.
+TINY = {
+    "prompts": {"config": {"max_train_conversations": 6}},
+    "conversations": {"config": {"max_new_tokens": 12, "samples_per_shard": 3, "batch_size": 6}},
+    "hidden_state_shards": {"config": {"dtype": "float32", "batch_tokens": 256}},
+    "vocab_mapping": {"config": {"draft_vocab_size": 64}},
+}
+
+
+class Graph:
+    """Materialize assets of the real graph against one instance and host."""
+
+    def __init__(self, instance: dg.DagsterInstance, workdir: Path):
+        self.instance, self.workdir = instance, workdir
+        self.host = LocalGpuHost(workdir=str(workdir))
+
+    def materialize(self, *names: str, config: dict | None = None, partition: str | None = None,
+                    raise_on_error: bool = True, host: LocalGpuHost | None = None):
+        ops = {n: (config or {}).get(n, TINY.get(n, {})) for n in names}
+        return dg.materialize(data_assets, selection=list(names), instance=self.instance,
+                              resources={"gpu_host": host or self.host}, partition_key=partition,
+                              run_config={"ops": {k: v for k, v in ops.items() if v}},
+                              raise_on_error=raise_on_error)
+
+    def latest(self, name: str, partition: str | None = None) -> dict:
+        ev = self.instance.get_latest_materialization_event(dg.AssetKey(name)) if partition is None else \
+            next(iter(self.instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition]), limit=1).records)).event_log_entry
+        return {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+
+    def data_version(self, name: str, partition: str | None = None) -> str:
+        recs = self.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition] if partition else None),
+            limit=1).records
+        return recs[0].event_log_entry.asset_materialization.tags["dagster/data_version"]
+
+
+def failure_text(result) -> str:
+    """Everything a user sees about a failed step: the failure's message and description."""
+    parts = []
+    for ev in result.all_events:
+        if ev.is_step_failure:
+            data = ev.step_failure_data
+            parts.append(data.error.to_string() if data.error else "")
+            if data.user_failure_data is not None:
+                parts.append(data.user_failure_data.description or "")
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def instance(tmp_path_factory):
+    home = tmp_path_factory.mktemp("dagster_home")
+    with dg.DagsterInstance.local_temp(str(home)) as inst:
+        yield inst
+
+
+@pytest.fixture(scope="session")
+def graph(instance, tmp_path_factory) -> Graph:
+    return Graph(instance, tmp_path_factory.mktemp("host_work"))
+
+
+@pytest.fixture(scope="session")
+def built(graph: Graph) -> Graph:
+    """target_model -> prompts -> conversations -> vocab_mapping, then both shard partitions."""
+    graph.materialize("target_model", "prompts", "conversations", "vocab_mapping")
+    for key in graph.instance.get_dynamic_partitions("hidden_state_shards"):
+        graph.materialize("hidden_state_shards", partition=key)
+    return graph

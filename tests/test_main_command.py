@@ -1,0 +1,91 @@
+"""The README's main command on the embedded default, its lineage in DAGSTER_HOME, and the UI's view of it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = """
+ops:
+  prompts: {config: {max_train_conversations: 4}}
+  conversations: {config: {max_new_tokens: 8, samples_per_shard: 2}}
+  vocab_mapping: {config: {draft_vocab_size: 128}}
+"""
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A dagster_home like the repo's, after one `eagle3-assets materialize` run."""
+    home = tmp_path_factory.mktemp("home")
+    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    cfg = home / "tiny.yaml"
+    cfg.write_text(TINY_YAML)
+    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_NO_BAR": "1"}
+    env.pop("EAGLE3_HOST_WORKDIR", None)
+    cli = Path(sys.executable).with_name("eagle3-assets")
+    done = subprocess.run([str(cli), "materialize", "--config", str(cfg)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "==> done" in done.stdout
+    return home
+
+
+def test_main_command_materializes_everything_into_dagster_home(home):
+    with dg.DagsterInstance.from_config(str(home)) as inst:
+        for name in ("target_model", "prompts", "conversations", "vocab_mapping"):
+            assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
+        keys = inst.get_dynamic_partitions("hidden_state_shards")
+        assert keys == ["00000", "00001"]
+        done = inst.get_materialized_partitions(dg.AssetKey("hidden_state_shards"))
+        assert done == set(keys)
+        # lineage: the shards were built from exactly this target's weights and these conversations
+        tv = inst.get_latest_materialization_event(dg.AssetKey("target_model")).asset_materialization.tags
+        rec = inst.fetch_materializations(dg.AssetKey("hidden_state_shards"), limit=1).records[0]
+        tags = rec.event_log_entry.asset_materialization.tags
+        assert tags["dagster/input_data_version/target_model"] == tv["dagster/data_version"]
+    assert (home / "host-work" / "hidden_states" / "shard-00001" / "manifest.json").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_ui_serves_the_graph_and_the_first_runs(home):
+    port = _free_port()
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    web = shutil.which("dagster-webserver", path=str(Path(sys.executable).parent))
+    proc = subprocess.Popen([web, "-w", str(ROOT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/graphql"
+        query = "{ assetNodes { assetKey { path } groupName } runsOrError { ... on Runs { results { runId status } } } }"
+        deadline, data = time.monotonic() + 120, None
+        while time.monotonic() < deadline:
+            try:
+                data = requests.post(url, json={"query": query}, timeout=10).json()["data"]
+                if data["assetNodes"]:
+                    break
+            except (requests.ConnectionError, KeyError, TypeError):
+                pass
+            time.sleep(1)
+        assert data and data["assetNodes"], "the webserver did not load the code location"
+        nodes = {n["assetKey"]["path"][0]: n["groupName"] for n in data["assetNodes"]}
+        assert nodes == {a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
+                                              "vocab_mapping")}
+        runs = data["runsOrError"]["results"]
+        assert len(runs) == 3 and all(r["status"] == "SUCCESS" for r in runs)  # prepare_data + 2 shards
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,79 @@
+"""Prompt formats and cleaning, through the real `prompts` asset where it matters."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_assets.prompt_sources import LoadStats, is_eval, load_source
+
+
+def _load(src, **kw):
+    opts = dict(max_user_turns=8, max_message_chars=8000, on_bad_record="fail", stats=LoadStats())
+    opts.update(kw)
+    return list(load_source(src, **opts)), opts["stats"]
+
+
+def test_sharegpt_ultrachat_openai_and_parquet_normalize_alike(tmp_path):
+    turns = ["What is 2+2?", "4.", "And 3+3?"]
+    share = tmp_path / "a.json"
+    share.write_text(json.dumps([{"id": "x", "conversations": [{"from": "human", "value": turns[0]},
+                                                               {"from": "gpt", "value": turns[1]},
+                                                               {"from": "human", "value": turns[2]}]}]))
+    ultra = tmp_path / "b.jsonl.gz"
+    with gzip.open(ultra, "wt") as f:
+        f.write(json.dumps({"data": turns}) + "\n")
+    parquet = tmp_path / "c.parquet"
+    msgs = [{"role": r, "content": c} for r, c in zip(["user", "assistant", "user"], turns)]
+    pq.write_table(pa.Table.from_pylist([{"messages": msgs}]), parquet)
+    with fsspec.open("memory://d.jsonl", "w") as f:  # any fsspec URL
+        f.write(json.dumps({"messages": msgs}) + "\n")
+    got = [_load(str(s))[0][0].messages for s in (share, ultra, parquet)] + [_load("memory://d.jsonl")[0][0].messages]
+    assert all(g == msgs for g in got)
+    assert _load(str(share))[0][0].id == "x"
+
+
+def test_empty_turns_dropped_long_messages_and_turns_capped(tmp_path):
+    f = tmp_path / "x.jsonl"
+    msgs = [{"role": "user", "content": "a" * 50}, {"role": "assistant", "content": " "},
+            {"role": "user", "content": "second"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "third"}]
+    f.write_text(json.dumps({"messages": msgs}) + "\n")
+    (conv,), stats = _load(str(f), max_user_turns=2, max_message_chars=10)
+    assert conv.messages == [{"role": "user", "content": "a" * 10}, {"role": "user", "content": "second"},
+                             {"role": "assistant", "content": "ok"}]
+    assert (stats.empty_turns_dropped, stats.messages_truncated, stats.turns_capped) == (1, 1, 1)
+
+
+def test_bundled_set_is_varied_and_clean():
+    convs, stats = _load("bundled")
+    assert len(convs) >= 300 and stats.empty_turns_dropped == 0
+    cats = {c.id.split("-")[0] for c in convs}
+    assert {"chat", "code", "maths", "writing", "multiturn"} <= cats
+    assert sum(sum(m["role"] == "user" for m in c.messages) > 1 for c in convs) >= 50
+    assert len({c.key for c in convs}) == len(convs)
+
+
+def test_split_is_stable_when_prompts_are_added():
+    convs, _ = _load("bundled")
+    before = {c.key for c in convs[:150] if is_eval(c.key, 0.1)}
+    after = {c.key for c in convs if is_eval(c.key, 0.1)}
+    assert before and before <= after  # adding prompts never moves an eval prompt into training
+
+
+def test_prompts_asset_deduplicates_across_sources(graph, tmp_path):
+    f = tmp_path / "dupes.jsonl"
+    bundled_first = _load("bundled")[0][0].messages
+    rows = [{"messages": bundled_first}, {"messages": [{"role": "user", "content": "fresh question?"}]},
+            {"messages": [{"role": "user", "content": "fresh question?"}, {"role": "assistant", "content": "x"}]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = graph.materialize("prompts", config={"prompts": {"config": {"sources": ["bundled", str(f)],
+                                                                          "eval_fraction": 0.0}}})
+    meta = {k: v.value for k, v in res.asset_materializations_for_node("prompts")[0].metadata.items()}
+    assert meta["duplicates_dropped"] == 2  # same user turns = same conversation to regenerate
+    assert meta["train_by_source"][str(f)] == 1
+    graph.materialize("prompts")  # restore the fixture's prompts
