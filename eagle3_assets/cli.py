@@ -35,10 +35,17 @@ def materialize(args) -> int:
     instance = _instance()
     import yaml
 
-    from .definitions import PREPARE_DATA, defs
+    from .definitions import PREPARE_DATA, TRAIN_DRAFTER, defs
     from .assets.partitions import shard_partitions
 
-    run_config = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    if args.config:
+        run_config = yaml.safe_load(Path(args.config).read_text()) or {}
+    else:
+        from importlib import resources
+
+        preset = resources.files("eagle3_assets").joinpath("presets/embedded_cpu.yaml")
+        run_config = yaml.safe_load(preset.read_text())
+        print(f"==> no --config: using the embedded-default preset {preset.name}", flush=True)
     t0 = time.monotonic()
     print(f"==> prepare_data: {', '.join(PREPARE_DATA)}  (instance: {os.environ['DAGSTER_HOME']})", flush=True)
     res = defs.resolve_job_def("prepare_data").execute_in_process(
@@ -55,6 +62,12 @@ def materialize(args) -> int:
         if not res.success:
             print(f"shard {key} failed (run {res.run_id}); rerun that partition alone from the UI", file=sys.stderr)
             return 1
+    print(f"==> train_drafter: {', '.join(TRAIN_DRAFTER)}", flush=True)
+    res = defs.resolve_job_def("train_drafter").execute_in_process(
+        instance=instance, run_config=_ops_config(run_config, TRAIN_DRAFTER), raise_on_error=False)
+    if not res.success:
+        print(f"train_drafter failed (run {res.run_id}); see the run in the Dagster UI", file=sys.stderr)
+        return 1
     print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
           "`dagster dev -w workspace.yaml`", flush=True)
     return 0

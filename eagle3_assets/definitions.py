@@ -7,11 +7,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from .assets import data_assets
+from .assets import all_assets
 from .assets.partitions import shard_partitions
 from .hosts import LocalGpuHost
 
 PREPARE_DATA = ["target_model", "prompts", "conversations", "vocab_mapping"]
+TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
 
 
 def default_host_workdir() -> str:
@@ -28,9 +29,12 @@ prepare_data_job = dg.define_asset_job(
 extract_hidden_states_job = dg.define_asset_job(
     "extract_hidden_states", selection=["hidden_state_shards"], partitions_def=shard_partitions,
     description="one hidden-state shard per run; launch a backfill over all partitions for the whole set")
+train_drafter_job = dg.define_asset_job(
+    "train_drafter", selection=TRAIN_DRAFTER,
+    description="train the drafter on all shards, export it for vLLM and SGLang, measure offline acceptance")
 
 defs = dg.Definitions(
-    assets=data_assets,
-    jobs=[prepare_data_job, extract_hidden_states_job],
+    assets=all_assets,
+    jobs=[prepare_data_job, extract_hidden_states_job, train_drafter_job],
     resources={"gpu_host": LocalGpuHost(workdir=default_host_workdir())},
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.assets import data_assets
+from eagle3_assets.assets import all_assets
 from eagle3_assets.hosts import LocalGpuHost
 
 
@@ -31,7 +31,7 @@ class Graph:
     def materialize(self, *names: str, config: dict | None = None, partition: str | None = None,
                     raise_on_error: bool = True, host: LocalGpuHost | None = None):
         ops = {n: (config or {}).get(n, TINY.get(n, {})) for n in names}
-        return dg.materialize(data_assets, selection=list(names), instance=self.instance,
+        return dg.materialize(all_assets, selection=list(names), instance=self.instance,
                               resources={"gpu_host": host or self.host}, partition_key=partition,
                               run_config={"ops": {k: v for k, v in ops.items() if v}},
                               raise_on_error=raise_on_error)

@@ -1,9 +1,12 @@
 """The Dagster layer: one module per stage, thin: each says what runs where and what it records."""
 
 from .conversations import conversations
+from .drafter import drafter_export, eagle3_drafter, offline_acceptance
 from .hidden_states import hidden_state_shards
 from .prompts import prompts
 from .target import target_model
 from .vocab import vocab_mapping
 
 data_assets = [target_model, prompts, conversations, hidden_state_shards, vocab_mapping]
+drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
+all_assets = data_assets + drafter_assets

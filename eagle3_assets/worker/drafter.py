@@ -89,26 +89,43 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: list, mask):
-        """x: [B, T, 2H]. cache: keys/values of earlier unroll steps (step 0 first); this step's are appended.
-        mask: bool [B, 1, T, T·(steps so far + 1)] or None for plain causal (step 0 of one document)."""
+    def forward(self, x, cos, sin, cache: list, mask0):
+        """x: [B, T, 2H]. cache: (k, v) of earlier unroll steps, step 0 first; this step's are appended.
+        mask0: bool [B, 1, T, T0] over the step-0 keys (None: plain causal)."""
         B, T, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.append((k, v))
-        keys = torch.cat([kk for kk, _ in cache], dim=2)
-        vals = torch.cat([vv for _, vv in cache], dim=2)
         rep = c.num_attention_heads // c.num_key_value_heads
-        if rep > 1:
-            keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True)
+        if not cache:
+            cache.append((k, v))
+            out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                 attn_mask=mask0, is_causal=mask0 is None)
         else:
-            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+            cache.append((k, v))
+            out = chain_attention(q, cache[0], cache[1:], mask0, rep)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def chain_attention(q, step0, chain, mask0, rep: int):
+    """A query at unroll step i and position t attends to the step-0 keys allowed by mask0 and to the keys
+    of steps 1..i at its own position. Exact softmax over both, with T + i keys per query (not (i+1)·T)."""
+    k0, v0 = (t.repeat_interleave(rep, 1) for t in step0)
+    scale = q.shape[-1] ** -0.5
+    s0 = (q @ k0.transpose(-1, -2)).float() * scale  # [B, h, T, T0]
+    if mask0 is None:
+        mask0 = torch.ones(s0.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~mask0, float("-inf"))
+    sd = torch.stack([(q * kj.repeat_interleave(rep, 1)).sum(-1) for kj, _ in chain], -1).float() * scale
+    m = torch.maximum(s0.amax(-1), sd.amax(-1)).detach()[..., None]
+    p0, pd = torch.exp(s0 - m), torch.exp(sd - m)
+    z = p0.sum(-1, keepdim=True) + pd.sum(-1, keepdim=True)
+    out = p0.to(v0.dtype) @ v0
+    for j, (_, vj) in enumerate(chain):
+        out = out + pd[..., j:j + 1].to(vj.dtype) * vj.repeat_interleave(rep, 1)
+    return (out.float() / z).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -166,19 +183,15 @@ class Eagle3Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-def ttt_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
-    """Attention mask for unroll step `step` over packed rows. doc: [B, T] document ids (-1 = padding).
-    Keys are [step-0 keys (T), step-1 keys (T), ..., this step's keys (T)]."""
-    B, T = doc.shape
+def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: causal within each packed document (doc ids, -1 = padding). Padding positions see
+    themselves only, so no row is empty (an all-masked row would give NaN)."""
+    T = doc.shape[1]
     idx = torch.arange(T, device=doc.device)
-    same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
-    causal = same & (idx[None, :, None] >= idx[None, None, :])
-    parts = [causal]
-    eye = torch.eye(T, dtype=torch.bool, device=doc.device)[None].expand(B, T, T)
-    parts += [eye] * step
-    m = torch.cat(parts, dim=-1)
-    m = m | (doc[:, :, None] < 0) & eye.repeat(1, 1, step + 1)  # padding rows attend to something: no NaN
-    return m[:, None]
+    causal = idx[:, None] >= idx[None, :]
+    same = (doc[:, :, None] == doc[:, None, :]) & causal
+    eye = torch.eye(T, dtype=torch.bool, device=doc.device)
+    return (same | ((doc < 0)[:, :, None] & eye))[:, None]
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -62,6 +62,8 @@ def _typed(metadata: dict[str, Any]) -> dict[str, Any]:
     """Pipes infers scalars; structured values and paths are declared so the UI renders them as such."""
     out = {}
     for k, v in metadata.items():
+        if v is None:
+            continue
         if isinstance(v, (dict, list)):
             out[k] = {"raw_value": v, "type": "json"}
         elif k == "path" and isinstance(v, str):

@@ -43,9 +43,8 @@ class ChainSpeculator:
             out.append(nxt)
             if j == self.k - 1:
                 break
-            keys = sum(kk.shape[2] for kk, _ in cache) + 1
-            mask = torch.ones((1, 1, 1, keys), dtype=torch.bool, device=dev)
-            h = d.step(torch.tensor([[nxt]], device=dev), h, pos[:, -1:] + j + 1, cache, mask)
+            see_all = torch.ones((1, 1, 1, m - 1), dtype=torch.bool, device=dev)  # the whole verified context
+            h = d.step(torch.tensor([[nxt]], device=dev), h, pos[:, -1:] + j + 1, cache, see_all)
         return out
 
     @torch.inference_mode()

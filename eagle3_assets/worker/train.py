@@ -13,6 +13,7 @@ a function of (seed, epoch), so a resumed run ends with the same weights as an u
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .drafter import DraftConfig, Eagle3Drafter, init_weights, ttt_mask
+from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
 from .files import resolve, write_json
 from .target import load_config, text_config
@@ -59,14 +60,14 @@ def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, 
     hidden = model.fc(batch["aux"].to(dtype))
     cache: list = []
     total, losses, accs = 0.0, [], []
+    one_doc = doc.shape[0] == 1 and bool((doc == 0).all())
+    mask0 = None if one_doc else doc_causal_mask(doc)  # None: the fused causal kernel
     for i in range(steps):
         n = i + 1
         same = (shift(doc, n, -2) == doc) & (doc >= 0)
         counted = same & shift(lmask, n, False)
         valid = counted & (shift(t_draft, n, -1) >= 0)
-        plain_causal = i == 0 and doc.shape[0] == 1 and bool((doc == 0).all())  # one whole document
-        mask = None if plain_causal else ttt_mask(doc, i)
-        hidden = model.step(shift(ids, n), hidden, pos + i, cache, mask)
+        hidden = model.step(shift(ids, n), hidden, pos + i, cache, mask0)
         logits = model.logits(hidden).float()
         denom = counted.sum().clamp(min=1)
         logp = torch.log_softmax(logits, dim=-1)
@@ -94,6 +95,24 @@ def simulated_acceptance_length(accs: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+def autocast(device: str):
+    """bf16 compute with fp32 master weights on GPU; plain fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
+
+
+def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device) -> tuple[list, list]:
+    """Mean per-step loss and accuracy over `plan` without updating: the same figures before and after."""
+    sum_loss, sum_acc = torch.zeros(steps), torch.zeros(steps)
+    with torch.no_grad(), autocast(device):
+        for rows in plan:
+            batch = {k: v.to(device) for k, v in collate(data, rows, row_tokens).items()}
+            _, losses, accs, _ = ttt_loss(model, head, batch, steps, decay, dtype)
+            sum_loss += torch.stack(losses).float().cpu()
+            sum_acc += torch.stack(accs).float().cpu()
+    n = max(len(plan), 1)
+    return (sum_loss / n).tolist(), (sum_acc / n).tolist()
 
 
 def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
@@ -197,6 +216,9 @@ def run(workdir: str, args: dict, reporter) -> None:
         shutil.rmtree(ckpts)
 
     steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
+    # A fixed probe of the training data, measured before and after: did this run teach the drafter?
+    probe = plans[0][: int(args.get("probe_batches", 8))] if plans else []
+    before = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
     save_every = int(hp["save_every_steps"])
     sum_loss = torch.zeros(steps_k)
     sum_acc = torch.zeros(steps_k)
@@ -211,7 +233,8 @@ def run(workdir: str, args: dict, reporter) -> None:
                     done += 1
                     continue
                 batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, rows, int(hp["row_tokens"])).items()}
-                loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
+                with autocast(device):
+                    loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
                 opt.step()
@@ -231,6 +254,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                     _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
                                      {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
     wall = time.monotonic() - t0
+    after = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
     model_dir = out / "model"
     save_drafter_dir(model, model_dir, target_info={"path": str(target), "model_type": tc.model_type,
                                                     "num_layers": tc.num_hidden_layers})
@@ -252,8 +276,12 @@ def run(workdir: str, args: dict, reporter) -> None:
         "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
         "wall_s": round(wall, 1),
         "device": device,
-        "final_loss": round(loss_per[0], 5) if loss_per else None,
         "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
+        "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,
+        "probe_loss_0_after": round(after[0][0], 5) if after[0] else None,
+        "probe_acc_0_before": round(before[1][0], 5) if before[1] else None,
+        "probe_acc_0_after": round(after[1][0], 5) if after[1] else None,
+        "probe_simulated_acceptance_length": round(simulated_acceptance_length(after[1]), 4),
         **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
         **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
         "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},

@@ -1,0 +1,94 @@
+from typing import Optional
+
+import dagster as dg
+from pydantic import Field
+
+from ..hosts import GpuHost
+from .hidden_states import OUT_DIR as SHARDS_DIR
+from .partitions import shard_partitions
+from .prompts import EVAL, EVAL_HUMANEVAL
+from .upstream import upstream_metadata
+from .vocab import OUT as VOCAB
+
+DRAFTER_DIR = "drafter"
+EXPORT_DIR = "exports"
+
+
+class DrafterConfig(dg.Config):
+    run_name: str = Field(default="default", description="output under drafter/<run_name>; a rerun with the same "
+                          "name and settings resumes from its last checkpoint")
+    init_from: Optional[str] = Field(default=None, description="an existing EAGLE-3 checkpoint directory on the host "
+                                     "to finetune; its draft vocab and aux layers are reused")
+    epochs: int = 3
+    lr: float = 1e-4
+    warmup_ratio: float = 0.015
+    max_grad_norm: float = 0.5
+    ttt_steps: int = Field(default=7, description="training-time-test unroll length")
+    row_tokens: int = Field(default=2048, description="tokens per packed row")
+    rows_per_batch: int = 4
+    seed: int = 0
+    save_every_steps: int = Field(default=0, description="checkpoint every N steps (0: at each epoch end)")
+    resume: bool = True
+
+
+def _shard_dirs(context: dg.AssetExecutionContext) -> list[str]:
+    keys = context.instance.get_dynamic_partitions(shard_partitions.name)
+    done = context.instance.get_materialized_partitions(dg.AssetKey("hidden_state_shards"))
+    missing = [k for k in keys if k not in done]
+    if not keys or missing:
+        raise dg.Failure(description=f"hidden_state_shards partitions {missing or '(none registered)'} are not "
+                                     "materialized: backfill hidden_state_shards first")
+    return [f"{SHARDS_DIR}/shard-{k}" for k in keys]
+
+
+@dg.asset(group_name="drafter", kinds={"pytorch"}, deps=["hidden_state_shards", "vocab_mapping", "target_model"],
+          pool="gpu_host", code_version="1")
+def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+    """The trained EAGLE-3 draft head (canonical checkpoint under drafter/<run_name>/model). Data version =
+    hash of the saved weights: every export and benchmark downstream names the exact checkpoint."""
+    target = upstream_metadata(context, "target_model")["path"]
+    args = {"target": target, "shards": _shard_dirs(context), "vocab": VOCAB,
+            "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump(exclude={"run_name"})}
+    return gpu_host.run_stage(context, "train", args).materialize_result()
+
+
+class ExportConfig(dg.Config):
+    dialects: list[str] = Field(default=["vllm", "sglang"])
+
+
+@dg.asset(group_name="drafter", kinds={"safetensors"}, deps=["eagle3_drafter", "target_model"], code_version="1")
+def drafter_export(context: dg.AssetExecutionContext, config: ExportConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+    """The drafter as vLLM and SGLang load it (exports/<version>/{vllm,sglang}), each validated against its
+    contract: names, shapes, dtypes, config fields, and which target layers the engine will capture."""
+    drafter = upstream_metadata(context, "eagle3_drafter")
+    target = upstream_metadata(context, "target_model")["path"]
+    version = context.instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.tags.get(
+        "dagster/data_version", "latest")
+    run = gpu_host.run_stage(context, "export", {"drafter": drafter["path"], "target": target,
+                                                 "out": f"{EXPORT_DIR}/{version[:12]}", "dialects": config.dialects})
+    return run.materialize_result()
+
+
+class OfflineAcceptanceConfig(dg.Config):
+    eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval")
+    num_speculative_tokens: int = 3
+    max_new_tokens: int = 64
+    limit: Optional[int] = Field(default=16, description="prompts evaluated (None: all)")
+    dtype: Optional[str] = Field(default=None, description="default: float32 on CPU (exact), bfloat16 on GPU")
+
+
+@dg.asset(group_name="drafter", kinds={"pytorch"}, deps=["eagle3_drafter", "prompts", "target_model"],
+          pool="gpu_host", code_version="1")
+def offline_acceptance(context: dg.AssetExecutionContext, config: OfflineAcceptanceConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+    """Our own greedy chain speculative decoding on held-out prompts: acceptance length, per-position
+    acceptance, and whether the output equals the target's greedy output. The reference for engine numbers."""
+    sets = {"eval": EVAL, "humaneval": EVAL_HUMANEVAL}
+    if config.eval_set not in sets:
+        raise dg.Failure(description=f"eval_set must be one of {sorted(sets)}, got {config.eval_set!r}")
+    drafter = upstream_metadata(context, "eagle3_drafter")
+    target = upstream_metadata(context, "target_model")["path"]
+    run = gpu_host.run_stage(context, "speculate", {
+        "target": target, "drafter": drafter["path"], "prompts": sets[config.eval_set], "limit": config.limit,
+        "num_speculative_tokens": config.num_speculative_tokens, "max_new_tokens": config.max_new_tokens,
+        "dtype": config.dtype})
+    return run.materialize_result()

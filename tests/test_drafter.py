@@ -1,0 +1,220 @@
+"""The drafter half: training, resume, exports, finetune and offline acceptance, on the real SmolLM2 data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import failure_text
+
+TRAIN = {"epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0}
+
+
+def _cfg(**kw):
+    return {"eagle3_drafter": {"config": {**TRAIN, **kw}}}
+
+
+@pytest.fixture(scope="module")
+def trained(built):
+    built.materialize("eagle3_drafter", config=_cfg(run_name="base"))
+    built.materialize("drafter_export", "offline_acceptance",
+                      config={"offline_acceptance": {"config": {"limit": 3, "max_new_tokens": 24}}})
+    return built
+
+
+def test_training_lowers_the_loss_and_raises_position0_accuracy(trained):
+    meta = trained.latest("eagle3_drafter")
+    assert meta["init"] == "scratch" and meta["epochs"] == 6 and meta["ttt_steps"] == 3
+    assert meta["probe_loss_0_after"] < meta["probe_loss_0_before"]
+    assert meta["probe_acc_0_after"] > meta["probe_acc_0_before"]
+    assert {f"acc_{i}" for i in range(3)} | {f"loss_{i}" for i in range(3)} <= set(meta)
+    assert meta["tokens_per_s"] > 0 and meta["simulated_acceptance_length"] >= 1.0
+
+
+def test_drafter_data_version_is_the_hash_of_its_weights(trained):
+    from eagle3_assets.worker.checkpoint import weights_hash
+
+    assert trained.data_version("eagle3_drafter") == weights_hash(Path(trained.latest("eagle3_drafter")["path"]))
+
+
+def _worker(workdir: Path, stage: str, args: dict, **kw):
+    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
+    return cmd, {**os.environ, "EAGLE3_NO_BAR": "1"}
+
+
+def test_resume_after_a_kill_ends_with_identical_weights(trained):
+    target = trained.latest("target_model")["path"]
+    shards = [f"hidden_states/shard-{k}" for k in ("00000", "00001")]
+    base = {"target": target, "shards": shards, "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3,
+            "ttt_steps": 2, "row_tokens": 48, "rows_per_batch": 1, "save_every_steps": 1}
+    cmd, env = _worker(trained.workdir, "train", {**base, "out": "drafter/straight"})
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+
+    cmd, env = _worker(trained.workdir, "train", {**base, "out": "drafter/interrupted"})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = trained.workdir / "drafter/interrupted/checkpoints/latest.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (latest.exists() and json.loads(latest.read_text())["step"] >= 2):
+        assert proc.poll() is None, "training finished before it could be interrupted"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (trained.workdir / "drafter/interrupted/model").exists()
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step-" in resumed.stderr
+    a = load_file(str(trained.workdir / "drafter/straight/model/model.safetensors"))
+    b = load_file(str(trained.workdir / "drafter/interrupted/model/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exports_meet_each_engines_contract(trained):
+    meta = trained.latest("drafter_export")
+    assert meta["validated"] is True
+    for dialect in ("vllm", "sglang"):
+        d = Path(meta[f"{dialect}_path"])
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+        assert cfg["draft_vocab_size"] == 64 and cfg["target_hidden_size"] == 576
+        assert cfg["max_position_embeddings"] >= 8192
+        # trained on the default layers: no ids, so both engines capture exactly those
+        assert "eagle_aux_hidden_state_layer_ids" not in cfg and "eagle_config" not in cfg
+        t = load_file(str(d / "model.safetensors"))
+        assert not any("embed_tokens" in k for k in t)
+        assert t["fc.weight"].shape == (576, 3 * 576) and t["fc.weight"].dtype == torch.bfloat16
+        assert t["midlayer.self_attn.q_proj.weight"].shape == (9 * 64, 2 * 576)
+        assert t["lm_head.weight"].shape == (64, 576) and t["d2t"].dtype == torch.int64 and t["t2d"].shape == (49152,)
+
+
+def test_non_default_layers_are_written_in_each_engines_convention(trained, tmp_path):
+    from transformers import AutoConfig
+
+    from eagle3_assets.worker.export import engine_capture_layers, write_export
+
+    src = tmp_path / "custom"
+    shutil.copytree(trained.latest("eagle3_drafter")["path"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["eagle3_assets"]["aux_layer_ids"] = [2, 10, 20]
+    (src / "config.json").write_text(json.dumps(cfg))
+    tc = AutoConfig.from_pretrained(trained.latest("target_model")["path"])
+    write_export(src, tmp_path / "vllm", "vllm", tc)
+    write_export(src, tmp_path / "sglang", "sglang", tc)
+    v = json.loads((tmp_path / "vllm/config.json").read_text())
+    s = json.loads((tmp_path / "sglang/config.json").read_text())
+    assert v["eagle_aux_hidden_state_layer_ids"] == [3, 11, 21]  # vLLM: capture before layer i
+    assert s["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 10, 20]  # SGLang: output of layer, +1 inside
+    assert engine_capture_layers("vllm", v, 30) == engine_capture_layers("sglang", s, 30) == [2, 10, 20]
+
+
+def test_export_validation_names_the_offending_field(trained, tmp_path):
+    from transformers import AutoConfig
+
+    from eagle3_assets.worker.errors import StageError
+    from eagle3_assets.worker.export import validate_export
+
+    tc = AutoConfig.from_pretrained(trained.latest("target_model")["path"])
+    d = tmp_path / "v"
+    shutil.copytree(trained.latest("drafter_export")["vllm_path"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2048}))
+    with pytest.raises(StageError, match="max_position_embeddings"):
+        validate_export(d, "vllm", tc, [1, 14, 26])
+    (d / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [1, 14, 26]}))
+    with pytest.raises(StageError, match=r"capture target layers \[0, 13, 25\]"):
+        validate_export(d, "vllm", tc, [1, 14, 26])
+
+
+def test_offline_acceptance_reports_engine_comparable_figures(trained):
+    meta = trained.latest("offline_acceptance")
+    assert meta["output_matches_target_greedy"] is True
+    k = meta["num_speculative_tokens"]
+    assert 1.0 <= meta["acceptance_length"] <= k + 1
+    # acceptance length = accepted + 1 per verify step = 1 + sum of per-position acceptance
+    per_pos = [meta[f"acceptance_at_pos_{i}"] for i in range(k)]
+    assert meta["acceptance_length"] == pytest.approx(1 + sum(per_pos), abs=1e-3)
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert meta["prompts"] == 3 and meta["verify_steps"] > 0
+
+
+def test_finetune_from_a_saved_export_continues_from_its_weights(trained, tmp_path):
+    base = trained.latest("eagle3_drafter")
+    export = trained.latest("drafter_export")["vllm_path"]
+    # the speculators / vLLM naming (layers.0.*) must load as well
+    d = tmp_path / "renamed"
+    d.mkdir()
+    t = load_file(str(Path(export) / "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in t.items()}, str(d / "model.safetensors"))
+    shutil.copy(Path(export) / "config.json", d / "config.json")
+    trained.materialize("eagle3_drafter", config=_cfg(run_name="ft", init_from=str(d), epochs=1, lr=1e-4))
+    meta = trained.latest("eagle3_drafter")
+    assert meta["init"] == "finetune" and meta["init_from"] == str(d)
+    assert meta["draft_vocab_size"] == 64 and "reused" in meta["draft_vocab_source"]
+    # it starts where the base run ended (up to the export's bf16 rounding), far from a fresh start
+    assert meta["probe_loss_0_before"] == pytest.approx(base["probe_loss_0_after"], rel=0.02)
+    trained.materialize("eagle3_drafter", config=_cfg(run_name="base"))  # restore (resumes: nothing to do)
+
+
+def _corrupt(src: str, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    edit(t)
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("name,edit,expect", [
+    ("missing", lambda t: t.pop("norm.weight"), "tensor 'norm.weight' is missing"),
+    ("shape", lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :576].contiguous()),
+     r"tensor 'fc.weight' has shape \[576, 576\], expected \[576, 1728\]"),
+])
+def test_bad_checkpoint_fails_naming_the_tensor(trained, tmp_path, name, edit, expect):
+    import re
+
+    bad = _corrupt(trained.latest("drafter_export")["vllm_path"], tmp_path / name, edit)
+    res = trained.materialize("eagle3_drafter", config=_cfg(run_name=f"bad-{name}", init_from=str(bad)),
+                              raise_on_error=False)
+    assert not res.success and re.search(expect, failure_text(res))
+
+
+def test_vocab_mapping_for_another_target_is_rejected(trained, tmp_path):
+    target = trained.latest("target_model")["path"]
+    d2t = torch.zeros(16, dtype=torch.long)
+    t2d = torch.zeros(32000, dtype=torch.bool)
+    t2d[:16] = True
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
+    cmd, env = _worker(trained.workdir, "train", {"target": target, "shards": ["hidden_states/shard-00000"],
+                                                  "vocab": str(tmp_path / "vocab.safetensors"), "out": str(tmp_path / "o")})
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "t2d covers 32000 target ids but the target vocab has 49152" in done.stderr
+
+
+def test_hidden_states_of_the_wrong_width_are_rejected(trained, tmp_path):
+    target = trained.latest("target_model")["path"]
+    shard = tmp_path / "shard-00000"
+    shutil.copytree(trained.workdir / "hidden_states/shard-00000", shard)
+    m = json.loads((shard / "manifest.json").read_text())
+    part = shard / m["files"][0]["name"]
+    t = load_file(str(part))
+    t["aux"] = t["aux"][:, :1000].contiguous()  # a 3*H that no longer matches the target
+    save_file(t, str(part))
+    m["files"][0]["bytes"] = part.stat().st_size
+    (shard / "manifest.json").write_text(json.dumps(m))
+    cmd, env = _worker(trained.workdir, "train", {"target": target, "shards": [str(shard)],
+                                                  "vocab": "vocab/vocab_mapping.safetensors", "out": str(tmp_path / "o")})
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "tensor 'aux' has shape" in done.stderr and "expected" in done.stderr and "[" in done.stderr
+    m["hidden_size"] = 4096
+    (shard / "manifest.json").write_text(json.dumps(m))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert "4096-wide" in done.stderr and "hidden size is 576" in done.stderr
