@@ -47,26 +47,25 @@ def materialize(args) -> int:
         run_config = yaml.safe_load(preset.read_text())
         print(f"==> no --config: using the embedded-default preset {preset.name}", flush=True)
     t0 = time.monotonic()
-    print(f"==> prepare_data: {', '.join(PREPARE_DATA)}  (instance: {os.environ['DAGSTER_HOME']})", flush=True)
-    res = defs.resolve_job_def("prepare_data").execute_in_process(
-        instance=instance, run_config=_ops_config(run_config, PREPARE_DATA), raise_on_error=False)
-    if not res.success:
-        print(f"prepare_data failed (run {res.run_id}); see the run in the Dagster UI", file=sys.stderr)
+
+    def run(job: str, assets: list[str], partition: str | None = None, label: str = "") -> bool:
+        print(f"==> {label or job}: {', '.join(assets)}", flush=True)
+        res = defs.resolve_job_def(job).execute_in_process(
+            instance=instance, partition_key=partition, raise_on_error=False,
+            run_config=_ops_config(run_config, assets))
+        if not res.success:
+            print(f"{label or job} failed (run {res.run_id}); see that run in the Dagster UI, fix, and rerun "
+                  "(finished assets and shards are not redone by hand: rerun only what failed)", file=sys.stderr)
+        return res.success
+
+    print(f"==> instance: {os.environ['DAGSTER_HOME']}", flush=True)
+    if not run("prepare_data", PREPARE_DATA):
         return 1
     keys = instance.get_dynamic_partitions(shard_partitions.name)
-    job = defs.resolve_job_def("extract_hidden_states")
     for i, key in enumerate(keys, 1):
-        print(f"==> hidden_state_shards {key} ({i}/{len(keys)})", flush=True)
-        res = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False,
-                                     run_config=_ops_config(run_config, ["hidden_state_shards"]))
-        if not res.success:
-            print(f"shard {key} failed (run {res.run_id}); rerun that partition alone from the UI", file=sys.stderr)
+        if not run("extract_hidden_states", ["hidden_state_shards"], key, f"hidden_state_shards {key} ({i}/{len(keys)})"):
             return 1
-    print(f"==> train_drafter: {', '.join(TRAIN_DRAFTER)}", flush=True)
-    res = defs.resolve_job_def("train_drafter").execute_in_process(
-        instance=instance, run_config=_ops_config(run_config, TRAIN_DRAFTER), raise_on_error=False)
-    if not res.success:
-        print(f"train_drafter failed (run {res.run_id}); see the run in the Dagster UI", file=sys.stderr)
+    if not run("train_drafter", TRAIN_DRAFTER):
         return 1
     print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
           "`dagster dev -w workspace.yaml`", flush=True)

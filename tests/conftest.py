@@ -3,6 +3,7 @@ and the data half of the graph materialized once on the embedded SmolLM2 at tiny
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import dagster as dg
@@ -47,6 +48,14 @@ class Graph:
             dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition] if partition else None),
             limit=1).records
         return recs[0].event_log_entry.asset_materialization.tags["dagster/data_version"]
+
+
+def last_json(stdout: str) -> dict:
+    """The worker's result: the last JSON object on its stdout (engines may log there after it)."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON result in the worker's output:\n{stdout[-2000:]}")
 
 
 def failure_text(result) -> str:

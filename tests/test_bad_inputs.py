@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conftest import failure_text
+from conftest import failure_text, last_json
 
 
 def _prompts_fail(graph, sources, **extra):
@@ -98,7 +98,7 @@ def test_killed_extraction_leaves_no_shard_that_looks_complete(built, tmp_path):
 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["tokens"] == n * length
+    assert last_json(done.stdout)["tokens"] == n * length
     manifest = json.loads((hs / "shard-00000" / "manifest.json").read_text())
     assert manifest["samples"] == n and manifest["tokens"] == n * length
     assert [p.name for p in hs.iterdir()] == ["shard-00000"]

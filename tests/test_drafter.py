@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import failure_text
+from conftest import failure_text, last_json
 
 TRAIN = {"epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0}
 
@@ -218,3 +218,20 @@ def test_hidden_states_of_the_wrong_width_are_rejected(trained, tmp_path):
     (shard / "manifest.json").write_text(json.dumps(m))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert "4096-wide" in done.stderr and "hidden size is 576" in done.stderr
+
+
+def test_data_parallel_training_splits_each_step_across_processes(trained, tmp_path):
+    """Two processes (gloo on CPU; NCCL on GPUs) share each optimizer step: half the steps, one model."""
+    target = trained.latest("target_model")["path"]
+    args = {"target": target, "shards": ["hidden_states/shard-00000", "hidden_states/shard-00001"],
+            "vocab": "vocab/vocab_mapping.safetensors", "epochs": 1, "ttt_steps": 2, "row_tokens": 48,
+            "rows_per_batch": 1}
+    single, env = _worker(trained.workdir, "train", {**args, "out": str(tmp_path / "one")})
+    one = subprocess.run(single, env=env, capture_output=True, text=True)
+    dp, env = _worker(trained.workdir, "train", {**args, "out": str(tmp_path / "two"), "num_processes": 2})
+    two = subprocess.run(dp, env=env, capture_output=True, text=True)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    r1, r2 = last_json(one.stdout), last_json(two.stdout)
+    assert r2["data_parallel_processes"] == 2 and r2["steps"] == -(-r1["steps"] // 2)
+    w = load_file(str(tmp_path / "two/model/model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in w.values() if t.is_floating_point())

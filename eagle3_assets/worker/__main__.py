@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         reporter = Reporter()
         rc = _run(ns, reporter)
-        if rc == 0:
+        if rc == 0 and os.environ.get("EAGLE3_REPORT_JSONL") != "1":
             print(json.dumps(reporter.result_payload))
     return rc
 

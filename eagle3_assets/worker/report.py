@@ -25,8 +25,21 @@ class Reporter:
     def __init__(self, pipes=None):
         self._pipes = pipes
         self.result_payload: dict | None = None
+        # under a data-parallel launch: rank 0 speaks JSON lines for the launcher to relay, others are quiet
+        self._relay = os.environ.get("EAGLE3_REPORT_JSONL") == "1"
+        self._quiet = self._relay and os.environ.get("RANK", "0") != "0"
+
+    def _emit(self, **msg) -> bool:
+        if self._quiet:
+            return True
+        if self._relay:
+            print(json.dumps(msg, default=str), flush=True)
+            return True
+        return False
 
     def log(self, msg: str, level: str = "info") -> None:
+        if self._emit(kind="log", message=msg, level=level):
+            return
         if self._pipes is not None:
             getattr(self._pipes.log, level)(msg)
         else:
@@ -41,6 +54,8 @@ class Reporter:
             p.close()
 
     def materialize(self, metadata: dict[str, Any], data_version: str | None = None) -> None:
+        if self._emit(kind="materialize", metadata=metadata, data_version=data_version):
+            return
         if self._pipes is not None:
             self._pipes.report_asset_materialization(metadata=_typed(metadata), data_version=data_version)
         else:
@@ -49,10 +64,14 @@ class Reporter:
     def result(self, payload: dict) -> None:
         """The stage's small JSON answer to the control plane."""
         self.result_payload = payload
+        if self._emit(kind="result", payload=payload):
+            return
         if self._pipes is not None:
             self._pipes.report_custom_message({"kind": "result", "payload": payload})
 
     def error(self, message: str) -> None:
+        if self._emit(kind="error", message=message):
+            return
         if self._pipes is not None:
             self._pipes.report_custom_message({"kind": "error", "message": message})
         self.log(message, "error")
@@ -83,7 +102,7 @@ class Progress:
         self.start = self._last = time.monotonic()
         # The bar goes to stderr: a terminal shows it; under Dagster it lands in the step's compute log.
         self._bar = tqdm(total=total, unit=unit[:-1] if unit.endswith("s") else unit, unit_scale=True,
-                         desc=what, file=sys.stderr, disable=os.environ.get("EAGLE3_NO_BAR") == "1",
+                         desc=what, file=sys.stderr, disable=os.environ.get("EAGLE3_NO_BAR") == "1" or reporter._quiet,
                          mininterval=1.0)
 
     def update(self, n: int, tokens: int = 0) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -134,12 +135,19 @@ def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
 def run(workdir: str, args: dict, reporter) -> None:
     from .checkpoint import load_drafter_dir, save_drafter_dir
 
+    from .distributed import Group, launch
+
+    procs = int(args.get("num_processes") or 1)
+    if procs > 1 and "RANK" not in os.environ:
+        return launch(workdir, args, reporter, procs)
     hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and v is not None}}
     out = resolve(workdir, args["out"])
     target = resolve(workdir, args["target"])
     tc = text_config(load_config(target))
     device = args.get("device", "auto")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    group = Group(device)
+    device = group.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(int(hp["seed"]))
     if device == "cpu":
@@ -188,7 +196,10 @@ def run(workdir: str, args: dict, reporter) -> None:
     lengths = [r.length for r in data.refs]
     plans = [plan_batches(lengths, e, int(hp["seed"]), int(hp["row_tokens"]), int(hp["rows_per_batch"]))
              for e in range(int(hp["epochs"]))]
-    total_steps = sum(len(p) for p in plans)
+    # One optimizer step takes `world` consecutive batches of the plan, one per rank: the same data order
+    # for any GPU count.
+    steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
+    total_steps = sum(len(p) for p in steps_of)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
@@ -212,12 +223,13 @@ def run(workdir: str, args: dict, reporter) -> None:
         torch.set_rng_state(state["rng"])
         step = state["step"]
         reporter.log(f"resuming from {info['checkpoint']} (step {step} of {total_steps})")
-    elif ckpts.exists():
+    elif ckpts.exists() and group.is_main:
         shutil.rmtree(ckpts)
+    group.barrier()
 
     steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
     # A fixed probe of the training data, measured before and after: did this run teach the drafter?
-    probe = plans[0][: int(args.get("probe_batches", 8))] if plans else []
+    probe = plans[0][group.rank: int(args.get("probe_batches", 8)): group.world] if plans else []
     before = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
     save_every = int(hp["save_every_steps"])
     sum_loss = torch.zeros(steps_k)
@@ -227,35 +239,44 @@ def run(workdir: str, args: dict, reporter) -> None:
     with reporter.progress("train", total_steps * 1, unit="steps") as prog:
         prog.update(step)
         done = 0
-        for epoch, plan in enumerate(plans):
-            for b, rows in enumerate(plan):
+        for epoch, plan in enumerate(steps_of):
+            for b, group_rows in enumerate(plan):
                 if done < step:
                     done += 1
                     continue
-                batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, rows, int(hp["row_tokens"])).items()}
-                with autocast(device):
-                    loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
-                loss.backward()
+                ntok = 0
+                if group.rank < len(group_rows):  # the last step of an epoch may leave a rank without a batch
+                    rows = group_rows[group.rank]
+                    batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, rows, int(hp["row_tokens"])).items()}
+                    with autocast(device):
+                        loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
+                    loss.backward()
+                    ntok = int((batch["doc"] >= 0).sum())
+                group.all_reduce_grads(params)
                 torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
                 done += 1
-                ntok = int((batch["doc"] >= 0).sum())
+                ntok = int(group.sum(ntok))
                 tokens += ntok
-                if epoch == len(plans) - 1:  # the last epoch's figures describe the final weights
-                    sum_loss += torch.stack(losses).float().cpu()
-                    sum_acc += torch.stack(accs).float().cpu()
+                if epoch == len(plans) - 1 and ntok and group.rank < len(group_rows):
+                    sum_loss += torch.stack(losses).float().cpu()  # the last epoch's figures describe the
+                    sum_acc += torch.stack(accs).float().cpu()     # final weights (rank 0's share of them)
                     n_batches += 1
                 prog.update(1, tokens=ntok)
                 end_of_epoch = b == len(plan) - 1
                 if end_of_epoch or (save_every and step % save_every == 0):
-                    _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
-                                     {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
+                    if group.is_main:
+                        _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
+                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
+                    group.barrier()
     wall = time.monotonic() - t0
     after = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
     model_dir = out / "model"
+    if not group.is_main:
+        return
     save_drafter_dir(model, model_dir, target_info={"path": str(target), "model_type": tc.model_type,
                                                     "num_layers": tc.num_hidden_layers})
     from .checkpoint import weights_hash
@@ -276,6 +297,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
         "wall_s": round(wall, 1),
         "device": device,
+        "data_parallel_processes": group.world,
         "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
         "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,
         "probe_loss_0_after": round(after[0][0], 5) if after[0] else None,
@@ -288,5 +310,6 @@ def run(workdir: str, args: dict, reporter) -> None:
     }
     version = weights_hash(model_dir)
     reporter.materialize(metadata=meta, data_version=version)
-    reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length")}, "data_version": version,
+    reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length", "tokens_per_s", "wall_s",
+                                             "data_parallel_processes")}, "data_version": version,
                      "acc": acc, "loss": loss_per})

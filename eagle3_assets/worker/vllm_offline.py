@@ -36,6 +36,10 @@ def spec_metrics(metrics) -> dict:
 
 
 def run(workdir: str, args: dict, reporter) -> None:
+    import os
+
+    # vLLM's CPU backend reserves its KV cache up front (GiB); the default takes most of a small host's RAM.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.get("cpu_kv_cache_gib", 2)))
     try:
         from vllm import LLM, SamplingParams
     except ImportError as e:
