@@ -54,8 +54,8 @@ def materialize(args) -> int:
             instance=instance, partition_key=partition, raise_on_error=False,
             run_config=_ops_config(run_config, assets))
         if not res.success:
-            print(f"{label or job} failed (run {res.run_id}); see that run in the Dagster UI, fix, and rerun "
-                  "(finished assets and shards are not redone by hand: rerun only what failed)", file=sys.stderr)
+            print(f"{label or job} failed (run {res.run_id}): its log in the Dagster UI says why; after fixing, "
+                  "rematerialize just that asset or partition", file=sys.stderr)
         return res.success
 
     print(f"==> instance: {os.environ['DAGSTER_HOME']}", flush=True)
