@@ -20,6 +20,8 @@ ops:
   prompts: {config: {max_train_conversations: 4}}
   conversations: {config: {max_new_tokens: 8, samples_per_shard: 2}}
   vocab_mapping: {config: {draft_vocab_size: 128}}
+  eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
+  offline_acceptance: {config: {limit: 2, max_new_tokens: 8}}
 """
 
 
@@ -42,7 +44,8 @@ def home(tmp_path_factory):
 
 def test_main_command_materializes_everything_into_dagster_home(home):
     with dg.DagsterInstance.from_config(str(home)) as inst:
-        for name in ("target_model", "prompts", "conversations", "vocab_mapping"):
+        for name in ("target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter", "drafter_export",
+                     "offline_acceptance"):
             assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
         keys = inst.get_dynamic_partitions("hidden_state_shards")
         assert keys == ["00000", "00001"]
@@ -53,6 +56,11 @@ def test_main_command_materializes_everything_into_dagster_home(home):
         rec = inst.fetch_materializations(dg.AssetKey("hidden_state_shards"), limit=1).records[0]
         tags = rec.event_log_entry.asset_materialization.tags
         assert tags["dagster/input_data_version/target_model"] == tv["dagster/data_version"]
+        # ... and the acceptance result names the exact drafter checkpoint it measured
+        dv = inst.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.tags
+        acc = inst.get_latest_materialization_event(dg.AssetKey("offline_acceptance")).asset_materialization
+        assert acc.tags["dagster/input_data_version/eagle3_drafter"] == dv["dagster/data_version"]
+        assert acc.metadata["output_matches_target_greedy"].value is True
     assert (home / "host-work" / "hidden_states" / "shard-00001" / "manifest.json").exists()
 
 
@@ -82,10 +90,11 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
             time.sleep(1)
         assert data and data["assetNodes"], "the webserver did not load the code location"
         nodes = {n["assetKey"]["path"][0]: n["groupName"] for n in data["assetNodes"]}
-        assert nodes == {a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
-                                              "vocab_mapping")}
+        assert nodes == {**{a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
+                                                 "vocab_mapping")},
+                         **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")}}
         runs = data["runsOrError"]["results"]
-        assert len(runs) == 3 and all(r["status"] == "SUCCESS" for r in runs)  # prepare_data + 2 shards
+        assert len(runs) == 4 and all(r["status"] == "SUCCESS" for r in runs)  # prepare_data, 2 shards, train_drafter
     finally:
         proc.terminate()
         proc.wait(timeout=30)

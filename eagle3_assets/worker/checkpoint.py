@@ -86,8 +86,6 @@ def config_dict(c: DraftConfig, dtype: str, max_positions: int) -> dict:
         "target_hidden_size": c.target_hidden_size, "tie_word_embeddings": False, "torch_dtype": dtype,
         "attention_bias": False, "mlp_bias": False,
     }
-    if c.rope_scaling:
-        cfg["rope_scaling"] = c.rope_scaling
     return cfg
 
 
@@ -178,8 +176,7 @@ def load_drafter_dir(d: Path, tc) -> tuple[DraftConfig, dict[str, torch.Tensor]]
                     rope_theta=float(cfg.get("rope_theta", 10000.0)),
                     max_position_embeddings=cfg.get("max_position_embeddings", tc.max_position_embeddings),
                     vocab_size=tc.vocab_size, draft_vocab_size=cfg.get("draft_vocab_size") or tc.vocab_size,
-                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers),
-                    rope_scaling=cfg.get("rope_scaling"))
+                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers))
     w = _normalize_names(_read_weights(d))
     if "t2d" not in w and "d2t" in w:  # ModelOpt exports omit t2d; it follows from d2t
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)

@@ -33,21 +33,21 @@ class DraftConfig:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: list[int] = field(default_factory=list)  # output-of-layer convention
-    rope_scaling: dict | None = None
 
     @classmethod
     def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
         heads = tc.num_attention_heads
+        # The draft uses plain RoPE at the target's theta, as SpecForge's drafts do; a target's rope scaling
+        # (llama3, yarn) is not carried over, so training and serving agree.
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
         return cls(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
                    num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
                    head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
                    rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
                    draft_vocab_size=draft_vocab_size, target_hidden_size=tc.hidden_size,
-                   aux_layer_ids=list(aux_layer_ids), rope_scaling=scaling)
+                   aux_layer_ids=list(aux_layer_ids))
 
     def to_dict(self) -> dict:
         return asdict(self)
