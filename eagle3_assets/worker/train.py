@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
@@ -209,7 +208,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                                              "refs": len(data.refs), "init": str(init), "target": str(target)},
                                             sort_keys=True).encode()).hexdigest()[:16]
     ckpts = out / "checkpoints"
-    step, start_epoch = 0, 0
+    step = 0
     latest = ckpts / "latest.json"
     if latest.exists() and args.get("resume", True):
         info = json.loads(latest.read_text())
