@@ -59,7 +59,7 @@ def materialize(args) -> int:
         return res.success
 
     print(f"==> instance: {os.environ['DAGSTER_HOME']}", flush=True)
-    if not run("prepare_data", PREPARE_DATA):
+    if not run("check_host", ["host_preflight"]) or not run("prepare_data", PREPARE_DATA):
         return 1
     keys = instance.get_dynamic_partitions(shard_partitions.name)
     for i, key in enumerate(keys, 1):

@@ -9,7 +9,7 @@ import dagster as dg
 
 from .assets import all_assets
 from .assets.partitions import shard_partitions
-from .hosts import LocalGpuHost
+from .hosts import GpuHost, LocalGpuHost, SshGpuHost
 
 PREPARE_DATA = ["target_model", "prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
@@ -23,6 +23,31 @@ def default_host_workdir() -> str:
     return str(Path(home) / "host-work")
 
 
+# EAGLE3_SSH_<FIELD> -> SshGpuHost field. Values are dg.EnvVar, read when a run starts: secrets stay out of
+# the code and the UI, and changing the host needs no code change.
+SSH_ENV = {"HOST": "host", "PORT": "port", "USER": "user", "KEY_FILE": "key_file", "KEY_PASSPHRASE": "key_passphrase",
+           "PASSWORD": "password", "KNOWN_HOSTS": "known_hosts", "PYTHON": "python", "WORKDIR": "workdir",
+           "CODE": "code"}
+SSH_FLAGS = {"REQUIRE_GPUS": "require_gpus", "ACCEPT_UNKNOWN_HOST_KEY": "accept_unknown_host_key"}
+
+
+def gpu_host_from_env() -> GpuHost:
+    """The SSH host when EAGLE3_SSH_HOST is set (EAGLE3_SSH_WORKDIR too), else this machine."""
+    if not os.environ.get("EAGLE3_SSH_HOST"):
+        return LocalGpuHost(workdir=default_host_workdir())
+    if not os.environ.get("EAGLE3_SSH_WORKDIR"):
+        raise ValueError("EAGLE3_SSH_HOST is set but EAGLE3_SSH_WORKDIR is not: set it to the work directory on the "
+                         "GPU host (where models, shards and checkpoints live; it needs the disk)")
+    fields = {f: (dg.EnvVar.int(f"EAGLE3_SSH_{k}") if f == "port" else dg.EnvVar(f"EAGLE3_SSH_{k}"))
+              for k, f in SSH_ENV.items() if os.environ.get(f"EAGLE3_SSH_{k}")}
+    fields.update({f: os.environ[f"EAGLE3_SSH_{k}"].lower() in ("1", "true", "yes")
+                   for k, f in SSH_FLAGS.items() if os.environ.get(f"EAGLE3_SSH_{k}")})
+    return SshGpuHost(**fields)
+
+
+check_host_job = dg.define_asset_job(
+    "check_host", selection=["host_preflight"],
+    description="is the GPU host ready: Python and worker deps, worker code, GPUs, free disk for the hidden states")
 prepare_data_job = dg.define_asset_job(
     "prepare_data", selection=PREPARE_DATA,
     description="target model, prompts, regenerated conversations and the draft vocab (registers the shards)")
@@ -35,6 +60,6 @@ train_drafter_job = dg.define_asset_job(
 
 defs = dg.Definitions(
     assets=all_assets,
-    jobs=[prepare_data_job, extract_hidden_states_job, train_drafter_job],
-    resources={"gpu_host": LocalGpuHost(workdir=default_host_workdir())},
+    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, train_drafter_job],
+    resources={"gpu_host": gpu_host_from_env()},
 )

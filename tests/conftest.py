@@ -89,3 +89,13 @@ def built(graph: Graph) -> Graph:
     for key in graph.instance.get_dynamic_partitions("hidden_state_shards"):
         graph.materialize("hidden_state_shards", partition=key)
     return graph
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 (see ssh_server.py), shared by the SSH host's tests."""
+    from ssh_server import SshServer
+
+    server = SshServer(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()

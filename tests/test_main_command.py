@@ -44,7 +44,7 @@ def home(tmp_path_factory):
 
 def test_main_command_materializes_everything_into_dagster_home(home):
     with dg.DagsterInstance.from_config(str(home)) as inst:
-        for name in ("target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter", "drafter_export",
+        for name in ("host_preflight", "target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter", "drafter_export",
                      "offline_acceptance"):
             assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
         keys = inst.get_dynamic_partitions("hidden_state_shards")
@@ -92,9 +92,11 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
         nodes = {n["assetKey"]["path"][0]: n["groupName"] for n in data["assetNodes"]}
         assert nodes == {**{a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
                                                  "vocab_mapping")},
-                         **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")}}
+                         **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")},
+                         "host_preflight": "host"}
         runs = data["runsOrError"]["results"]
-        assert len(runs) == 4 and all(r["status"] == "SUCCESS" for r in runs)  # prepare_data, 2 shards, train_drafter
+        # check_host, prepare_data, 2 shards, train_drafter
+        assert len(runs) == 5 and all(r["status"] == "SUCCESS" for r in runs)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -5,6 +5,7 @@ small JSON; big artifacts never leave the host."""
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,14 @@ class GpuHost(dg.ConfigurableResource):
     """Base of all hosts. `workdir` is the directory on the host under which every stage path lives."""
 
     workdir: str
+    require_gpus: bool = False  # GPU stages refuse to start on a host where nvidia-smi lists no GPU
 
     def run_stage(self, context: dg.AssetExecutionContext, stage: str, args: dict[str, Any]) -> StageRun:
+        raise NotImplementedError
+
+    def check(self, context, gpus: bool, need_bytes: int | None = None) -> dict[str, Any]:
+        """Probe the host (Python, worker dependencies and code, GPUs, free disk); a Failure naming every
+        problem found, else what the probe saw."""
         raise NotImplementedError
 
     def put_file(self, local_path: str, rel_path: str) -> None:
@@ -39,16 +46,38 @@ class GpuHost(dg.ConfigurableResource):
         return [python, "-m", "eagle3_assets.worker", stage, "--workdir", self.workdir, "--args", json.dumps(args)]
 
 
-def stage_outcome(stage: str, returncode: int, session, log_tail: str = "") -> StageRun:
-    """Turn a finished worker into a StageRun, or a Failure that says what went wrong in the worker's words."""
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def describe_exit(ended: dict) -> str:
+    """How a worker ended, in words: exit status, or the signal that killed it and what that usually means."""
+    if ended.get("vanished"):
+        return "the job ended without an exit status (its supervisor was killed too, or the host restarted)"
+    sig = ended.get("signal")
+    if sig:
+        name = ended.get("signal_name") or _signal_name(sig)
+        why = {9: ": out of memory, or killed by hand", 15: ": stopped"}.get(sig, "")
+        return f"the worker was killed by {name} ({sig}{why})"
+    return f"the worker exited with status {ended.get('returncode')}"
+
+
+def stage_outcome(stage: str, returncode: int | None, session, log_tail: str = "", how: str | None = None) -> StageRun:
+    """Turn a finished worker into a StageRun, or a Failure that says what went wrong in the worker's words.
+    Only a zero exit with no error reported is a success."""
     messages = session.get_custom_messages()
     errors = [m["message"] for m in messages if isinstance(m, dict) and m.get("kind") == "error"]
     if returncode != 0 or errors:
-        why = errors[-1] if errors else f"the worker exited with status {returncode} without reporting an error"
+        why = errors[-1] if errors else (how or describe_exit({"returncode": returncode, "signal": -returncode
+                                                                if returncode and returncode < 0 else None}))
         if log_tail and not errors:
-            why += f"; last output:\n{log_tail}"
+            why += f"; the end of its log:\n{log_tail}"
         raise dg.Failure(description=f"stage {stage!r} failed: {why}",
-                         metadata={"stage": stage, "exit_status": returncode}, allow_retries=False)
+                         metadata={"stage": stage, "exit_status": returncode if returncode is not None else "none"},
+                         allow_retries=False)
     results = [m["payload"] for m in messages if isinstance(m, dict) and m.get("kind") == "result"]
     reported = [r for r in session.get_reported_results() if isinstance(r, dg.MaterializeResult)]
     return StageRun(result=results[-1] if results else {}, materialization=reported[-1] if reported else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,14 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
+
+
+class _TempFileMessages(dg.PipesTempFileMessageReader):
+    @property
+    def expected_writer_count(self) -> int:  # one worker writes (rank 0 relays data-parallel ranks)
+        return 1
 
 
 class LocalGpuHost(GpuHost):
@@ -24,9 +32,11 @@ class LocalGpuHost(GpuHost):
 
     def run_stage(self, context: dg.AssetExecutionContext, stage: str, args: dict[str, Any]) -> StageRun:
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
+        if self.require_gpus and stage in preflight.GPU_STAGES:
+            self.check(context, gpus=True)
         cmd = self.worker_command(self.python, stage, args)
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=dg.PipesTempFileMessageReader(),
+                                   message_reader=_TempFileMessages(),
                                    extras={"stage": stage}) as session:
             env = {**os.environ, **self.env, **session.get_bootstrap_env_vars()}
             # Its own process group, so that cancelling the run stops the worker and its children.
@@ -37,6 +47,19 @@ class LocalGpuHost(GpuHost):
                 _terminate(proc)
                 raise
         return stage_outcome(stage, rc, session)
+
+    def check(self, context, gpus: bool, need_bytes: int | None = None) -> dict[str, Any]:
+        args = json.dumps({"workdir": self.workdir, "gpus": gpus})
+        out = subprocess.run([self.python, "-c", preflight.PROBE_SOURCE, args], capture_output=True, text=True,
+                             env={**os.environ, **self.env})
+        if out.returncode != 0:
+            raise dg.Failure(description=f"probing this machine with {self.python} failed: {out.stderr[-2000:]}")
+        info = json.loads(out.stdout)
+        found = preflight.problems(info, where="this machine", gpus=gpus, min_free_bytes=0, code="installed",
+                                   need_bytes=need_bytes)
+        if found:
+            raise dg.Failure(description="the host is not ready:\n- " + "\n- ".join(found), allow_retries=False)
+        return info
 
     def put_file(self, local_path: str, rel_path: str) -> None:
         dest = Path(self.workdir) / rel_path

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
-from .shard_format import FORMAT, INDEX, LAYER_CONVENTION, MANIFEST, default_aux_layers, shard_name, write_part
+from .shard_format import (FORMAT, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, default_aux_layers, shard_name,
+                           write_part)
 
 
 @dataclass
@@ -253,8 +254,15 @@ def run(workdir: str, args: dict, reporter) -> None:
     tmp = out_root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
 
-    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
     total = sum(len(s.input_ids) for s in samples)
+    need = total * bytes_per_token(int(cfg.hidden_size), args.get("dtype", "bfloat16"))
+    free = shutil.disk_usage(out_root).free
+    if need > free:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise StageError(f"{name} needs ~{need / 1e9:,.3f} GB for {total:,} tokens of hidden states, but only "
+                         f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
+                         f"workdir to a bigger disk")
+    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
     reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
                  f"({LAYER_CONVENTION}) + final pre-norm, on {next(model.parameters()).device}")
     t0 = time.monotonic()

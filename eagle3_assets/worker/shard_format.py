@@ -24,6 +24,14 @@ LAYER_CONVENTION = "output_of_layer"  # aux id i = output of decoder layer i = H
 MANIFEST = "manifest.json"
 INDEX = "index.parquet"
 
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def bytes_per_token(hidden_size: int, dtype: str = "bfloat16") -> int:
+    """Disk per token: aux [3H] + final [H] in `dtype`, input_ids int64, loss_mask uint8."""
+    return 4 * hidden_size * DTYPE_BYTES[dtype] + 9
+
+
 _ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32",
               "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8"}
 

@@ -1,0 +1,46 @@
+from typing import Optional
+
+import dagster as dg
+from pydantic import Field
+
+from ..hosts import GpuHost
+from ..worker.shard_format import bytes_per_token
+
+
+class HostPreflightConfig(dg.Config):
+    gpus: Optional[bool] = Field(default=None, description="require GPUs (nvidia-smi must list one); empty: the "
+                                                           "host's require_gpus")
+    hidden_states_dtype: str = Field(default="bfloat16", description="dtype the shards will be extracted in")
+
+
+def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int | None:
+    """Bytes the current conversations' hidden states take on disk, if conversations and target are known."""
+    found = {}
+    for name in ("conversations", "target_model"):
+        ev = context.instance.get_latest_materialization_event(dg.AssetKey(name))
+        if ev is None or ev.asset_materialization is None:
+            return None
+        found[name] = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+    return int(found["conversations"]["total_tokens"]) * bytes_per_token(int(found["target_model"]["hidden_size"]), dtype)
+
+
+@dg.asset(group_name="host", kinds={"ssh"}, code_version="1")
+def host_preflight(context: dg.AssetExecutionContext, config: HostPreflightConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+    """Is the GPU host ready? It answers; its Python has the worker's dependencies and the control plane's
+    worker code; nvidia-smi lists GPUs; its free disk covers the hidden states the current conversations
+    will need. Cheap: materialize it before a long job, or after changing the host."""
+    need = hidden_states_estimate(context, config.hidden_states_dtype)
+    need_gpus = gpu_host.require_gpus if config.gpus is None else config.gpus
+    info = gpu_host.check(context, gpus=need_gpus, need_bytes=need)
+    gpus = info.get("gpus") or []
+    return dg.MaterializeResult(metadata={
+        "hostname": info["hostname"],
+        "python": info["python"],
+        "executable": info["executable"],
+        "worker_deps": dg.MetadataValue.json(info["deps"]),
+        "gpu_count": len(gpus),
+        "gpus": dg.MetadataValue.json(gpus),
+        "free_disk_gb": round(info["disk"]["free_bytes"] / 1e9, 2),
+        **({"hidden_states_estimate_gb": round(need / 1e9, 3)} if need is not None else {}),
+        "workdir": dg.MetadataValue.path(info["workdir"]),
+    })
