@@ -67,6 +67,8 @@ def materialize(args) -> int:
             return 1
     if not run("train_drafter", TRAIN_DRAFTER):
         return 1
+    if not run("benchmark_serving", ["serving_benchmark"], "vllm", "serving_benchmark vllm"):
+        return 1
     print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
           "`dagster dev -w workspace.yaml`", flush=True)
     return 0

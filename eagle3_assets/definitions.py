@@ -9,6 +9,7 @@ import dagster as dg
 
 from .assets import all_assets
 from .assets.partitions import shard_partitions
+from .assets.serving import engine_partitions
 from .hosts import GpuHost, LocalGpuHost, SshGpuHost
 
 PREPARE_DATA = ["target_model", "prompts", "conversations", "vocab_mapping"]
@@ -58,8 +59,14 @@ train_drafter_job = dg.define_asset_job(
     "train_drafter", selection=TRAIN_DRAFTER,
     description="train the drafter on all shards, export it for vLLM and SGLang, measure offline acceptance")
 
+benchmark_serving_job = dg.define_asset_job(
+    "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions,
+    description="the exported drafter on a real engine (partition vllm or sglang) against the same server without "
+                "speculation; checks acceptance against offline_acceptance")
+
 defs = dg.Definitions(
     assets=all_assets,
-    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, train_drafter_job],
+    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, train_drafter_job,
+          benchmark_serving_job],
     resources={"gpu_host": gpu_host_from_env()},
 )

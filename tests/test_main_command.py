@@ -22,6 +22,8 @@ ops:
   vocab_mapping: {config: {draft_vocab_size: 128}}
   eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
   offline_acceptance: {config: {limit: 2, max_new_tokens: 8}}
+  serving_benchmark: {config: {limit: 2, max_new_tokens: 8, concurrencies: [1], baseline: false, dtype: float32,
+                               max_model_len: 1024}}
 """
 
 
@@ -44,8 +46,8 @@ def home(tmp_path_factory):
 
 def test_main_command_materializes_everything_into_dagster_home(home):
     with dg.DagsterInstance.from_config(str(home)) as inst:
-        for name in ("host_preflight", "target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter", "drafter_export",
-                     "offline_acceptance"):
+        for name in ("host_preflight", "target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter",
+                     "drafter_export", "offline_acceptance"):
             assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
         keys = inst.get_dynamic_partitions("hidden_state_shards")
         assert keys == ["00000", "00001"]
@@ -61,6 +63,11 @@ def test_main_command_materializes_everything_into_dagster_home(home):
         acc = inst.get_latest_materialization_event(dg.AssetKey("offline_acceptance")).asset_materialization
         assert acc.tags["dagster/input_data_version/eagle3_drafter"] == dv["dagster/data_version"]
         assert acc.metadata["output_matches_target_greedy"].value is True
+        # ... and so does the engine benchmark, through the export
+        bench = inst.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].event_log_entry
+        assert bench.asset_materialization.partition == "vllm"
+        assert bench.asset_materialization.metadata["checkpoint"].value == dv["dagster/data_version"]
+        assert bench.asset_materialization.metadata["acceptance_length"].value >= 1.0
     assert (home / "host-work" / "hidden_states" / "shard-00001" / "manifest.json").exists()
 
 
@@ -93,10 +100,10 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
         assert nodes == {**{a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
                                                  "vocab_mapping")},
                          **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")},
-                         "host_preflight": "host"}
+                         "host_preflight": "host", "serving_benchmark": "serving"}
         runs = data["runsOrError"]["results"]
-        # check_host, prepare_data, 2 shards, train_drafter
-        assert len(runs) == 5 and all(r["status"] == "SUCCESS" for r in runs)
+        # check_host, prepare_data, 2 shards, train_drafter, benchmark_serving (vllm)
+        assert len(runs) == 6 and all(r["status"] == "SUCCESS" for r in runs)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

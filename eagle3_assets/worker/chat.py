@@ -10,6 +10,13 @@ def render(tok, messages: list[dict], add_generation_prompt: bool = False) -> st
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def first_turn_prompt(tok, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation up to its first user turn, ready for the assistant's reply: how every
+    acceptance measurement (ours and the engines') prompts the target, so their figures compare."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return tok(render(tok, messages[: first_user + 1], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
 def tokenize_conversation(tok, messages: list[dict], conv_id: str = "?") -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a mask over the assistant turns' tokens (content and
     end-of-turn marker, not the role header), found by rendering each prefix of the conversation."""

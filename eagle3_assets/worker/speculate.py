@@ -10,7 +10,7 @@ import time
 import pyarrow.parquet as pq
 import torch
 
-from .chat import render
+from .chat import first_turn_prompt
 from .checkpoint import load_drafter_dir
 from .drafter import Eagle3Drafter
 from .errors import StageError
@@ -105,9 +105,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     t0 = time.monotonic()
     with reporter.progress("offline acceptance", len(rows), unit="prompts") as prog:
         for r in rows:
-            first_user = next(i for i, m in enumerate(r["messages"]) if m["role"] == "user")
-            prompt = tok(render(tok, r["messages"][: first_user + 1], add_generation_prompt=True),
-                         add_special_tokens=False)["input_ids"]
+            prompt = first_turn_prompt(tok, r["messages"])
             out, accepted = spec.generate(prompt, max_new, eos)
             with torch.inference_mode():
                 ref = target.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new, do_sample=False,

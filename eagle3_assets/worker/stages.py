@@ -22,4 +22,5 @@ STAGES = {
     "export": _lazy("export"),
     "speculate": _lazy("speculate"),
     "vllm_offline": _lazy("vllm_offline"),
+    "serve_bench": _lazy("serve_bench"),
 }

@@ -8,7 +8,7 @@ import time
 
 import pyarrow.parquet as pq
 
-from .chat import render
+from .chat import first_turn_prompt
 from .errors import StageError
 from .files import require_file, resolve
 from .target import load_tokenizer
@@ -48,10 +48,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
     tok = load_tokenizer(target)
     rows = pq.read_table(prompts_path).to_pylist()[: int(args.get("limit") or 10**9)]
-    texts = []
-    for r in rows:
-        first_user = next(i for i, m in enumerate(r["messages"]) if m["role"] == "user")
-        texts.append(render(tok, r["messages"][: first_user + 1], add_generation_prompt=True))
+    prompts = [first_turn_prompt(tok, r["messages"]) for r in rows]
     kw = dict(model=str(target), dtype=args.get("dtype", "bfloat16"), max_model_len=int(args.get("max_model_len", 2048)),
               disable_log_stats=False, seed=0, max_num_seqs=int(args.get("max_num_seqs", 256)))
     if args.get("drafter"):
@@ -63,7 +60,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     started = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=int(args.get("max_new_tokens", 64)))
     t1 = time.monotonic()
-    outs = llm.generate([{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts], params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     gen_s = time.monotonic() - t1
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     result = {

@@ -1,0 +1,140 @@
+import time
+from typing import Optional
+
+import dagster as dg
+from pydantic import Field
+
+from ..hosts import GpuHost
+from .prompts import PROMPT_SETS
+from .upstream import upstream_metadata
+
+engine_partitions = dg.StaticPartitionsDefinition(["vllm", "sglang"])
+HISTORY = "benchmarks/serving_history.parquet"
+CONSISTENCY = "acceptance_matches_offline"
+SPEEDUP = "speedup_above_1"
+
+# What breaks EAGLE-3 between training and serving without an error, most common first (see the README).
+INSPECT = [
+    "aux layer ids: which target layers the engine feeds the draft, in its own convention (vLLM captures "
+    "*before* layer i, SGLang's eagle_config ids are outputs of layer i) against those the drafter was trained on",
+    "the speculative method: `eagle3` in vLLM's speculative config, `--speculative-algorithm EAGLE3` in SGLang "
+    "(EAGLE with an EAGLE-3 draft loads and accepts almost nothing)",
+    "config flags dropped in conversion: norm_before_residual / norm_before_fc / fc_norm, draft_vocab_size, "
+    "target_hidden_size, max_position_embeddings",
+    "the draft vocab mapping: d2t offsets (target id = draft id + d2t) and t2d present, draft_vocab_size matching",
+    "the attention backend: compare with another backend (--attention-backend) at batch size 1",
+]
+
+
+class ServingBenchmarkConfig(dg.Config):
+    eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval; the offline "
+                                                       "reference must use the same for the consistency check")
+    limit: Optional[int] = Field(default=16, description="prompts sent (None: all), as offline_acceptance's limit")
+    max_new_tokens: int = Field(default=64, description="per request, as offline_acceptance's")
+    num_speculative_tokens: int = 3
+    concurrencies: list[int] = Field(default=[1, 8], description="requests in flight, one measurement each")
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    engine_python: Optional[str] = Field(default=None, description="the host Python with the engine installed "
+                                                                    "(default: the worker's)")
+    extra_args: list[str] = Field(default=[], description="more server arguments, passed through as given")
+    env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
+    ready_timeout_s: float = Field(default=1200.0, description="fail if the server is not healthy by then")
+    baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
+    min_ratio_to_offline: float = Field(default=0.7, description="engine acceptance length below this fraction "
+                                                                 "of offline_acceptance's fails the check")
+
+
+def _exported_checkpoint(context) -> str:
+    """The drafter version the served export was made from (not simply the latest drafter: a newer one may
+    not have been exported yet)."""
+    ev = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_export"))
+    return ev.asset_materialization.tags.get("dagster/input_data_version/eagle3_drafter", "unknown")
+
+
+@dg.asset(group_name="serving", kinds={"vllm", "sglang"}, partitions_def=engine_partitions, pool="gpu_host",
+          deps=["drafter_export", "target_model", "prompts"], code_version="1",
+          check_specs=[dg.AssetCheckSpec(CONSISTENCY, asset="serving_benchmark", additional_deps=["offline_acceptance"],
+                                         description="engine acceptance length vs our offline reference for the same "
+                                                     "checkpoint: far below it is an integration fault"),
+                       dg.AssetCheckSpec(SPEEDUP, asset="serving_benchmark",
+                                         description="speculation makes serving faster than the same server without it")])
+def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmarkConfig, gpu_host: GpuHost):
+    """The exported drafter served by a real engine (partition: vllm or sglang) on the host, against the
+    same server without speculation: acceptance as the engine counts it, throughput, TTFT, TPOT and speedup
+    at each concurrency; one row per measurement in a Parquet history on the host."""
+    engine = context.partition_key
+    if config.eval_set not in PROMPT_SETS:
+        raise dg.Failure(description=f"eval_set must be one of {sorted(PROMPT_SETS)}, got {config.eval_set!r}")
+    export = upstream_metadata(context, "drafter_export")
+    if f"{engine}_path" not in export:
+        raise dg.Failure(description=f"drafter_export has no {engine} export (dialects {export.get('dialects')}): "
+                                     f"materialize drafter_export with {engine} among its dialects")
+    checkpoint = _exported_checkpoint(context)
+    run = gpu_host.run_stage(context, "serve_bench", {
+        "engine": engine, "engine_python": config.engine_python,
+        "target": upstream_metadata(context, "target_model")["path"], "drafter": export[f"{engine}_path"],
+        "trained_drafter": export["source"], "prompts": PROMPT_SETS[config.eval_set], "prompt_set": config.eval_set,
+        "limit": config.limit, "max_new_tokens": config.max_new_tokens,
+        "num_speculative_tokens": config.num_speculative_tokens, "concurrencies": config.concurrencies,
+        "dtype": config.dtype, "max_model_len": config.max_model_len, "extra_args": config.extra_args,
+        "env": config.env, "ready_timeout_s": config.ready_timeout_s, "baseline": config.baseline,
+        "checkpoint": checkpoint, "history": HISTORY,
+        "out_dir": f"benchmarks/{engine}/{checkpoint[:12]}-{time.strftime('%Y%m%d-%H%M%S')}",
+    })
+    meta = run.result["metadata"]
+    result = run.materialize_result(history=HISTORY)
+    return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version,
+                                check_results=[consistency(context, meta, config), speedup(meta)])
+
+
+def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.AssetCheckResult:
+    """The engine's acceptance length against offline_acceptance's, for the same checkpoint and prompts."""
+    ev = context.instance.get_latest_materialization_event(dg.AssetKey("offline_acceptance"))
+    engine_al = meta.get("acceptance_length")
+    if ev is None or engine_al is None:
+        return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                   description="no offline_acceptance to compare with: materialize it for this "
+                                               "checkpoint" if ev is None else "the engine reported no acceptance")
+    offline = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+    measured = ev.asset_materialization.tags.get("dagster/input_data_version/eagle3_drafter")
+    offline_al = float(offline["acceptance_length"])
+    ratio = engine_al / offline_al if offline_al else 0.0
+    facts = {"engine_acceptance_length": round(engine_al, 4), "offline_acceptance_length": round(offline_al, 4),
+             "ratio": round(ratio, 4), "min_ratio": config.min_ratio_to_offline,
+             "offline_checkpoint": measured or "unknown", "benchmarked_checkpoint": meta.get("checkpoint"),
+             "served_aux_layers": str(meta.get("served_aux_layers")),
+             "trained_aux_layers": str(meta.get("trained_aux_layers"))}
+    if measured and meta.get("checkpoint") and measured != meta["checkpoint"]:
+        return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata=facts, description="offline_acceptance measured another checkpoint: "
+                                                               "rematerialize it for this one, then compare")
+    if not str(offline.get("eval_set", "")).endswith(PROMPT_SETS[config.eval_set]):
+        return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata=facts, description=f"offline_acceptance measured other prompts "
+                                   f"({offline.get('eval_set')}): rematerialize it with eval_set {config.eval_set!r}")
+    if ratio >= config.min_ratio_to_offline:
+        return dg.AssetCheckResult(check_name=CONSISTENCY, passed=True, metadata=facts)
+    cause = ""
+    if meta.get("trained_aux_layers") is not None and meta.get("served_aux_layers") != meta.get("trained_aux_layers"):
+        cause = (f"Cause found: the engine captures target layers {meta['served_aux_layers']} but the drafter was "
+                 f"trained on {meta['trained_aux_layers']} (both as outputs of layer i): the export's layer ids are "
+                 f"wrong; re-export with drafter_export. ")
+    steps = "\n".join(f"{i}. {s}" for i, s in enumerate(INSPECT, 1))
+    return dg.AssetCheckResult(
+        check_name=CONSISTENCY, passed=False, metadata=facts,
+        description=f"{meta['engine']} acceptance length {engine_al:.3f} is {ratio:.0%} of the offline reference "
+                    f"{offline_al:.3f} for the same checkpoint: an integration fault, not a weak drafter. {cause}"
+                    f"Inspect, in order:\n{steps}")
+
+
+def speedup(meta: dict) -> dg.AssetCheckResult:
+    s = meta.get("speedup")
+    if s is None:
+        return dg.AssetCheckResult(check_name=SPEEDUP, passed=True, severity=dg.AssetCheckSeverity.WARN,
+                                   description="no baseline measured", metadata={"speedup": "not measured"})
+    return dg.AssetCheckResult(
+        check_name=SPEEDUP, passed=s >= 1.0, severity=dg.AssetCheckSeverity.WARN, metadata={"speedup": s},
+        description=None if s >= 1.0 else f"speculation is slower than the same server without it ({s:.2f}x at the "
+                                          f"lowest concurrency): acceptance too low for its drafting cost, or a "
+                                          f"backend without fast speculation (CPU)")

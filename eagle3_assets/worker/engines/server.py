@@ -1,0 +1,126 @@
+"""An inference server process on the host: started in its own process group with its output in a log
+file, waited on until it answers its health route, and stopped with its whole group, whatever happens,
+so that no process or GPU memory is left behind."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ..errors import StageError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, nbytes: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class EngineServer:
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path, env: dict | None = None,
+                 health: str = "/health"):
+        self.name, self.argv, self.port, self.log_path, self.health = name, argv, port, log_path, health
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "EngineServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(self.argv)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env, start_new_session=True)
+        log.close()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def died(self) -> str | None:
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"{self.name} exited with status {self.proc.returncode}; the end of its log ({self.log_path}):\n" \
+                   f"{log_tail(self.log_path)}"
+        return None
+
+    def get(self, route: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            conn.request("GET", route)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout_s: float, reporter=None) -> float:
+        """Seconds until the health route answered 200; a StageError with the log's tail if the server dies
+        or is not ready in time (the server is stopped by __exit__ either way)."""
+        t0 = time.monotonic()
+        next_note = t0 + 30
+        while True:
+            if (why := self.died()) is not None:
+                raise StageError(f"{self.name} died while starting: {why}")
+            try:
+                if self.get(self.health, timeout_s=5)[0] == 200:
+                    return time.monotonic() - t0
+            except (OSError, http.client.HTTPException):
+                pass
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                raise StageError(f"{self.name} was not ready after {timeout_s:g} s (ready_timeout_s); the end of its "
+                                 f"log ({self.log_path}):\n{log_tail(self.log_path)}")
+            if reporter is not None and now >= next_note:
+                next_note = now + 30
+                reporter.log(f"waiting for {self.name} to get ready ({now - t0:.0f} s)")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                if self.proc.poll() is None:
+                    try:
+                        self.proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

