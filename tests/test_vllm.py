@@ -180,3 +180,22 @@ def test_server_dying_mid_load_fails_clearly_and_leaves_no_process(overfit, tmp_
     assert "requests to vllm failed" in done.stderr and "exited with status -9" in done.stderr, done.stderr[-3000:]
     time.sleep(1)
     assert _engine_processes("vllm.entrypoints.openai.api_server") == []
+
+
+def test_conversations_regenerated_by_a_vllm_server_match_the_hf_backend(built, tmp_path):
+    """The server backend (the target served by vLLM, the serving benchmark's launch code) regenerates the
+    same conversations as in-process generation: same turns, loss masks over the replies, and, greedy in
+    fp32 on both sides, the same replies (a wrong prompt template or special-token handling would not)."""
+    common = {"target": built.latest("target_model")["path"], "prompts": "prompts/train.parquet",
+              "max_new_tokens": 12, "dtype": "float32", "batch_size": 3}
+    for backend in ("hf", "vllm"):
+        done = _stage(built.workdir, "generate", {**common, "backend": backend, "out": str(tmp_path / f"{backend}.parquet"),
+                                                  "extra_args": ["--max-num-seqs", "4"] if backend == "vllm" else []})
+        assert done.returncode == 0, done.stderr[-3000:]
+    hf, served = (pq.read_table(tmp_path / f"{b}.parquet").to_pylist() for b in ("hf", "vllm"))
+    assert [r["id"] for r in hf] == [r["id"] for r in served]
+    assert all(r["num_loss_tokens"] > 0 and len(r["input_ids"]) == len(r["loss_mask"]) for r in served)
+    replies = [(a["content"], b["content"]) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
+               if a["role"] == "assistant"]
+    assert replies and sum(a == b for a, b in replies) >= 0.8 * len(replies), replies
+    assert _engine_processes("vllm.entrypoints.openai.api_server") == []

@@ -13,7 +13,12 @@ OUT = "conversations/conversations.parquet"
 
 
 class ConversationsConfig(dg.Config):
-    backend: Literal["hf"] = Field(default="hf", description="hf: batched generate in the worker")
+    backend: Literal["hf", "vllm", "sglang"] = Field(
+        default="hf", description="hf: batched generate in the worker; vllm / sglang: the target served on the host "
+                                  "(same launch as serving_benchmark), batch_size requests in flight")
+    engine_python: Optional[str] = Field(default=None, description="server backends: the host Python with the engine")
+    extra_args: list[str] = Field(default=[], description="server backends: more server arguments")
+    env: dict[str, str] = Field(default={}, description="server backends: server environment")
     max_new_tokens: int = Field(default=256, description="per assistant turn")
     temperature: float = Field(default=0.0, description="0 = greedy, matching greedy serving and offline acceptance")
     top_p: float = 1.0
@@ -37,7 +42,8 @@ def conversations(context: dg.AssetExecutionContext, config: ConversationsConfig
         "target": target, "prompts": TRAIN, "out": OUT, "limit": config.limit,
         "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p,
         "seed": config.seed, "batch_size": config.batch_size, "max_prompt_tokens": config.max_prompt_tokens,
-        "dtype": config.dtype,
+        "dtype": config.dtype, "backend": config.backend, "engine_python": config.engine_python,
+        "extra_args": config.extra_args, "env": config.env,
     })
     n = int(run.result["conversations"])
     keys = [shard_key(k) for k in range(math.ceil(n / config.samples_per_shard))]

@@ -1,9 +1,14 @@
 """Stage `generate`: the target regenerates every assistant turn of the training prompts, so the drafter
-learns the target's own distribution. Backend `hf`: batched `generate` in this process."""
+learns the target's own distribution. Backends: `hf`, batched `generate` in this process; `vllm` and
+`sglang`, the target served on the host and asked through its API, for large sets."""
 
 from __future__ import annotations
 
+import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,9 +49,114 @@ class _Conv:
         return None
 
 
-def run(workdir: str, args: dict, reporter) -> None:
+@dataclass
+class Sampling:
+    max_new: int
+    temperature: float
+    top_p: float
+    seed: int
+    batch_size: int
+    max_prompt_tokens: int
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    capped: bool  # stopped by max_new_tokens, not by the model
+    prompt_too_long: bool  # the history was cut to max_prompt_tokens
+
+
+def _prompt_ids(tok, messages: list[dict], s: Sampling) -> tuple[list[int], bool]:
+    ids = tok(render(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return ids[-s.max_prompt_tokens:], len(ids) > s.max_prompt_tokens
+
+
+@contextmanager
+def hf_backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> Iterator:
+    """Batched `generate` in this process, batches of similar lengths (less padding)."""
     import torch
 
+    torch.manual_seed(s.seed)
+    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
+    tok.padding_side = "left"  # decoder-only batched generation pads on the left
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+
+    def complete(prompts: list[list[dict]], prog) -> list[Reply]:
+        encoded = [_prompt_ids(tok, p, s) for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][0]))
+        replies: list[Reply | None] = [None] * len(prompts)
+        for start in range(0, len(order), s.batch_size):
+            idx = order[start: start + s.batch_size]
+            width = max(len(encoded[i][0]) for i in idx)
+            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+            ids = torch.tensor([[pad] * (width - len(encoded[i][0])) + encoded[i][0] for i in idx], device=model.device)
+            mask = torch.tensor([[0] * (width - len(encoded[i][0])) + [1] * len(encoded[i][0]) for i in idx],
+                                device=model.device)
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new,
+                                     do_sample=s.temperature > 0, temperature=s.temperature if s.temperature > 0 else None,
+                                     top_p=s.top_p if s.temperature > 0 else None, pad_token_id=tok.pad_token_id)
+            batch_tokens = 0
+            for i, new in zip(idx, gen[:, width:].tolist()):
+                n = next((k for k, t in enumerate(new) if t in eos_ids), None)
+                replies[i] = Reply(tok.decode(new[: n if n is not None else len(new)], skip_special_tokens=True).strip(),
+                                   n if n is not None else len(new), n is None, encoded[i][1])
+                batch_tokens += replies[i].tokens
+            prog.update(len(idx), tokens=batch_tokens)
+        return replies
+
+    yield complete
+
+
+def server_backend(engine_name: str):
+    """The target served by vLLM or SGLang on the host (the same launch code as serve_bench), replies
+    requested `batch_size` at a time through its OpenAI-compatible API: how large sets are regenerated."""
+
+    @contextmanager
+    def backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> Iterator:
+        from .engines import load
+        from .engines.server import EngineServer, free_port
+        from .serve_bench import ENGINES, check_support
+
+        engine = ENGINES[engine_name]
+        python = args.get("engine_python") or sys.executable
+        check_support(engine, python, target)
+        argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
+                                     dtype=args.get("dtype", "bfloat16"), max_model_len=s.max_prompt_tokens + s.max_new,
+                                     seed=s.seed, extra=list(args.get("extra_args") or []))
+        env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+        if engine_name == "vllm":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        log = resolve(workdir, args["out"]).parent / f"server-{engine_name}.log"
+        with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
+                          health=engine.HEALTH) as server:
+            reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
+            reporter.log(f"{engine_name} ready after {server.wait_ready(float(args.get('ready_timeout_s', 1200)), reporter):.0f} s")
+
+            def complete(prompts: list[list[dict]], prog) -> list[Reply]:
+                encoded = [_prompt_ids(tok, p, s) for p in prompts]
+                reqs = [load.Request(str(i), ids) for i, (ids, _) in enumerate(encoded)]
+                sampling = {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+                responses, _ = load.drive(server.base_url, "target", reqs, s.max_new, s.batch_size,
+                                          on_done=lambda r: prog.update(1, tokens=r.output_tokens), sampling=sampling)
+                bad = [r for r in responses if r.error]
+                if bad:
+                    raise StageError(f"{len(bad)} generation requests to {engine_name} failed, first: {bad[0].error}"
+                                     + (f"\n{why}" if (why := server.died()) else ""))
+                return [Reply(r.text.strip(), r.output_tokens, r.output_tokens >= s.max_new, e[1])
+                        for r, e in zip(responses, encoded)]
+
+            yield complete
+
+    return backend
+
+
+BACKENDS = {"hf": hf_backend, "vllm": server_backend("vllm"), "sglang": server_backend("sglang")}
+
+
+def run(workdir: str, args: dict, reporter) -> None:
     prompts = require_file(resolve(workdir, args["prompts"]), "training prompts",
                            "materialize the prompts asset first")
     out = resolve(workdir, args["out"])
@@ -55,59 +165,37 @@ def run(workdir: str, args: dict, reporter) -> None:
         rows = rows[: int(args["limit"])]
     if not rows:
         raise StageError(f"{prompts} holds no conversations: add prompt sources to the prompts asset")
-    max_new = int(args.get("max_new_tokens", 256))
-    temperature = float(args.get("temperature", 0.0))
-    top_p = float(args.get("top_p", 1.0))
-    batch_size = int(args.get("batch_size", 16))
-    max_prompt_tokens = int(args.get("max_prompt_tokens", 2048))
-    torch.manual_seed(int(args.get("seed", 0)))
-
+    backend = args.get("backend", "hf")
+    if backend not in BACKENDS:
+        raise StageError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    s = Sampling(max_new=int(args.get("max_new_tokens", 256)), temperature=float(args.get("temperature", 0.0)),
+                 top_p=float(args.get("top_p", 1.0)), seed=int(args.get("seed", 0)),
+                 batch_size=int(args.get("batch_size", 16)), max_prompt_tokens=int(args.get("max_prompt_tokens", 2048)))
+    max_new, temperature, top_p, max_prompt_tokens = s.max_new, s.temperature, s.top_p, s.max_prompt_tokens
     target = resolve(workdir, args["target"])
-    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
     tok = load_tokenizer(target)
-    tok.padding_side = "left"  # decoder-only batched generation pads on the left
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
 
     convs = [_Conv(r) for r in rows]
     total_turns = sum(sum(m["role"] == "user" for m in c.todo) for c in convs)
     reporter.log(f"regenerating {total_turns} assistant turns of {len(convs)} conversations with {target.name} "
-                 f"(max_new_tokens={max_new}, temperature={temperature}, top_p={top_p}, batch={batch_size})")
-    t0 = time.monotonic()
+                 f"on {backend} (max_new_tokens={max_new}, temperature={temperature}, top_p={top_p}, "
+                 f"batch={s.batch_size})")
     gen_tokens = 0
-    with reporter.progress("generate", total_turns, unit="turns") as prog:
+    with BACKENDS[backend](workdir, args, target, tok, s, reporter) as complete, \
+            reporter.progress("generate", total_turns, unit="turns") as prog:
+        t0 = time.monotonic()
         pending = [(c, p) for c in convs if (p := c.next_prompt()) is not None]
         while pending:
-            texts = [render(tok, p, add_generation_prompt=True) for _, p in pending]
-            order = sorted(range(len(pending)), key=lambda i: len(texts[i]))  # similar lengths, less padding
             nxt = []
-            for s in range(0, len(order), batch_size):
-                idx = order[s: s + batch_size]
-                enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
-                too_long = enc["input_ids"].shape[1] > max_prompt_tokens
-                enc = {k: v[:, -max_prompt_tokens:].to(model.device) for k, v in enc.items()}
-                with torch.inference_mode():
-                    gen = model.generate(**enc, max_new_tokens=max_new, do_sample=temperature > 0,
-                                         temperature=temperature if temperature > 0 else None,
-                                         top_p=top_p if temperature > 0 else None,
-                                         pad_token_id=tok.pad_token_id)
-                new = gen[:, enc["input_ids"].shape[1]:].tolist()
-                batch_tokens = 0
-                for i, ids in zip(idx, new):
-                    conv = pending[i][0]
-                    n = next((k for k, t in enumerate(ids) if t in eos_ids), None)
-                    if n is None:
-                        conv.truncated += 1
-                        n = len(ids)
-                    conv.out.append({"role": "assistant", "content": tok.decode(ids[:n], skip_special_tokens=True).strip()})
-                    conv.generated += n
-                    batch_tokens += n
-                    if too_long:
-                        conv.todo = []  # the history no longer fits the prompt budget: end it here
-                    if (p := conv.next_prompt()) is not None:
-                        nxt.append((conv, p))
-                gen_tokens += batch_tokens
-                prog.update(len(idx), tokens=batch_tokens)
+            for (conv, _), reply in zip(pending, complete([p for _, p in pending], prog)):
+                conv.truncated += reply.capped
+                conv.out.append({"role": "assistant", "content": reply.text})
+                conv.generated += reply.tokens
+                gen_tokens += reply.tokens
+                if reply.prompt_too_long:
+                    conv.todo = []  # the history no longer fits the prompt budget: end it here
+                if (p := conv.next_prompt()) is not None:
+                    nxt.append((conv, p))
             pending = nxt
     wall = time.monotonic() - t0
 
@@ -123,7 +211,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     version = sha256_file(out)[:32]
     meta = {
         "path": str(out),
-        "backend": "hf",
+        "backend": backend,
         "conversations": len(records),
         "assistant_turns": total_turns,
         "generated_tokens": gen_tokens,

@@ -21,6 +21,5 @@ STAGES = {
     "train": _lazy("train"),
     "export": _lazy("export"),
     "speculate": _lazy("speculate"),
-    "vllm_offline": _lazy("vllm_offline"),
     "serve_bench": _lazy("serve_bench"),
 }

@@ -35,12 +35,13 @@ class Response:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s: float = 600.0) -> Response:
-    """One streaming /v1/completions request, temperature 0; token ids in, so every engine sees the same
-    prompt tokens (no second chat template in the server)."""
+def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s: float = 600.0,
+             sampling: dict | None = None) -> Response:
+    """One streaming /v1/completions request, greedy unless `sampling` says otherwise; token ids in, so
+    every engine sees the same prompt tokens (no second chat template in the server)."""
     url = urlparse(base_url)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            **(sampling or {}), "stream": True, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], None
@@ -76,11 +77,11 @@ def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s
 
 
 def drive(base_url: str, model: str, requests: list[Request], max_tokens: int, concurrency: int,
-          on_done=None) -> tuple[list[Response], float]:
+          on_done=None, sampling: dict | None = None) -> tuple[list[Response], float]:
     """All requests, `concurrency` in flight at a time; returns responses in request order and wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(complete, base_url, model, r, max_tokens) for r in requests]
+        futures = [pool.submit(complete, base_url, model, r, max_tokens, sampling=sampling) for r in requests]
         out = []
         for f in futures:
             out.append(f.result())
