@@ -74,13 +74,46 @@ def materialize(args) -> int:
     return 0
 
 
+def show_lineage(args) -> int:
+    """The benchmark history, one line per result, and the lineage behind one of them (--explain N)."""
+    instance = _instance()
+    from . import lineage
+
+    rows = lineage.history(instance)
+    if args.engine:
+        rows = [r for r in rows if r["engine"] == args.engine]
+    if not rows:
+        print("no serving_benchmark results in this instance yet: materialize serving_benchmark first")
+        return 0
+    print(f"{'#':>3}  {'when':19}  {'engine':7} {'version':9} {'checkpoint':12}  {'AL':>6}  {'speedup':>7}  per position")
+    for i, r in enumerate(rows):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["when"]))
+        al = f"{r['acceptance_length']:.3f}" if r["acceptance_length"] is not None else "-"
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        print(f"{i:>3}  {when}  {r['engine']:7} {str(r['engine_version']):9} {str(r['checkpoint'])[:12]:12}  {al:>6}  "
+              f"{sp:>7}  {r['acceptance_per_pos']}")
+    if args.explain is not None:
+        r = rows[args.explain]
+        print(f"\nresult #{args.explain} (run {r['run_id']}): checkpoint {r['checkpoint']}")
+        print(f"  training config: {r['training_config']}")
+        print(f"  benchmark settings: {r['settings']}")
+        for asset in lineage.CHAIN:
+            print(f"  {asset:20} {r[f'{asset}_version']}")
+        if args.explain > 0:
+            print("  against the previous result: " + "; ".join(lineage.differences(rows[args.explain - 1], r)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-assets")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
     m.add_argument("--config", help="run config YAML: {ops: {<asset>: {config: {...}}}}, as in the UI launchpad")
+    lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")
+    lin.add_argument("--engine", choices=["vllm", "sglang"])
+    lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")
     ns = ap.parse_args(argv)
-    return materialize(ns)
+    return materialize(ns) if ns.cmd == "materialize" else show_lineage(ns)
 
 
 if __name__ == "__main__":

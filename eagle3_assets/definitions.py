@@ -10,6 +10,7 @@ import dagster as dg
 from .assets import all_assets
 from .assets.partitions import shard_partitions
 from .assets.serving import engine_partitions
+from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
 from .hosts import GpuHost, LocalGpuHost, SshGpuHost
 
 PREPARE_DATA = ["target_model", "prompts", "conversations", "vocab_mapping"]
@@ -67,6 +68,8 @@ benchmark_serving_job = dg.define_asset_job(
 defs = dg.Definitions(
     assets=all_assets,
     jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, train_drafter_job,
-          benchmark_serving_job],
+          benchmark_serving_job, rebenchmark_job, regression_report_job],
+    schedules=[nightly_rebenchmark],
+    sensors=[benchmark_regression_sensor],
     resources={"gpu_host": gpu_host_from_env()},
 )

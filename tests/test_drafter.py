@@ -41,6 +41,17 @@ def test_training_lowers_the_loss_and_raises_position0_accuracy(trained):
     assert meta["tokens_per_s"] > 0 and meta["simulated_acceptance_length"] >= 1.0
 
 
+def test_the_training_curve_is_recorded_and_drawn(trained):
+    meta = trained.latest("eagle3_drafter")
+    curve = meta["training_curve"]
+    assert curve["step"] == sorted(curve["step"]) and curve["step"][-1] <= meta["steps"]
+    assert len(curve["step"]) == len(curve["loss_0"]) == len(curve["acc_0"]) >= 2
+    assert curve["loss_0"][-1] < curve["loss_0"][0]  # it learns
+    chart = meta["training_curve_chart"]
+    assert chart.startswith("```") and "loss (unroll step 0)" in chart
+    assert f"first {curve['loss_0'][0]:.4g}, last {curve['loss_0'][-1]:.4g}" in chart
+
+
 def test_drafter_data_version_is_the_hash_of_its_weights(trained):
     from eagle3_assets.worker.checkpoint import weights_hash
 

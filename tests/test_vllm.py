@@ -72,6 +72,7 @@ def test_vllm_serves_the_export_with_speculation_and_identical_greedy_output(ben
                                                       / meta[f"baseline_output_tokens_per_s_c{c}"], rel=1e-3)
         assert meta[f"tpot_ms_mean_c{c}"] > 0 and meta[f"ttft_ms_mean_c{c}"] > 0
     assert meta["served_aux_layers"] == meta["trained_aux_layers"]
+    assert "position 0  vllm" in meta["acceptance_chart"] and "position 0  offline" in meta["acceptance_chart"]
 
 
 def test_vllm_acceptance_is_consistent_with_offline_and_the_check_passes(bench):
@@ -199,3 +200,52 @@ def test_conversations_regenerated_by_a_vllm_server_match_the_hf_backend(built, 
                if a["role"] == "assistant"]
     assert replies and sum(a == b for a, b in replies) >= 0.8 * len(replies), replies
     assert _engine_processes("vllm.entrypoints.openai.api_server") == []
+
+
+def test_lineage_history_and_the_regression_sensor_on_real_benchmarks(bench):
+    """Two checkpoints benchmarked with the same settings, one of them twice: the history attributes each
+    result to its checkpoint and training run; the sensor ignores the repeat (noise below the threshold),
+    fires on the weaker checkpoint, and its report names what changed."""
+    from eagle3_assets import lineage
+    from eagle3_assets.automation import benchmark_regression_sensor
+
+    graph, _ = bench
+    same = {"serving_benchmark": {"config": {**BENCH, "concurrencies": [1], "baseline": False}}}
+    start = graph.instance.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].storage_id
+    overfit_version = graph.data_version("eagle3_drafter")
+
+    def sensor_tick(cursor):
+        return benchmark_regression_sensor.evaluate_tick(dg.build_sensor_context(instance=graph.instance, cursor=cursor))
+
+    tick = sensor_tick(None)  # everything so far is history: the sensor starts after it
+    for _ in range(2):
+        assert graph.materialize("serving_benchmark", partition="vllm", config=same, raise_on_error=False).success
+    tick = sensor_tick(tick.cursor)
+    assert tick.run_requests == [], "the same checkpoint measured twice is not a regression"
+    graph.materialize("eagle3_drafter", config={"eagle3_drafter": {"config": {
+        "run_name": "weak", "epochs": 1, "ttt_steps": 2, "row_tokens": 128, "rows_per_batch": 2}}})
+    graph.materialize("drafter_export")
+    assert graph.materialize("serving_benchmark", partition="vllm", config=same, raise_on_error=False).success
+    tick = sensor_tick(tick.cursor)
+    drops = [r for r in tick.run_requests if r.run_key.startswith("drop-")]
+    assert len(drops) == 1
+    request = drops[0]
+    assert "acceptance_length" in request.run_config["ops"]["benchmark_regression"]["config"]["why"]
+    assert graph.materialize("benchmark_regression", config=request.run_config["ops"]).success
+    changed = graph.latest("benchmark_regression")["changed"]
+    assert changed[0].startswith("new checkpoint:")
+    assert any(c.startswith("training config changed") and '"run_name": "weak"' in c for c in changed)
+    rows = [r for r in lineage.history(graph.instance) if r["storage_id"] > start]
+    assert [r["checkpoint"] == overfit_version for r in rows] == [True, True, False]
+    assert [json.loads(r["training_config"])["run_name"] for r in rows] == ["overfit", "overfit", "weak"]
+    assert rows[2]["checkpoint"] == graph.data_version("eagle3_drafter")
+    assert rows[0]["hidden_state_shards_version"] and rows[0]["target_model_version"] == graph.data_version("target_model")
+    res = graph.materialize("benchmark_history")
+    assert res.success and graph.latest("benchmark_history")["results"] >= 3
+    assert "**vllm**: acceptance length over" in graph.latest("benchmark_history")["acceptance_history_chart"]
+    cli = subprocess.run([os.path.join(os.path.dirname(sys.executable), "eagle3-assets"), "lineage", "--explain",
+                          str(len(lineage.history(graph.instance)) - 1)], capture_output=True, text=True,
+                         env={**os.environ, "DAGSTER_HOME": graph.instance.root_directory})
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "training config:" in cli.stdout and '"run_name": "weak"' in cli.stdout
+    assert "against the previous result: new checkpoint" in cli.stdout

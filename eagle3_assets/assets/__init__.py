@@ -3,6 +3,7 @@
 from .conversations import conversations
 from .drafter import drafter_export, eagle3_drafter, offline_acceptance
 from .hidden_states import hidden_state_shards
+from .history import benchmark_history, benchmark_regression
 from .host import host_preflight
 from .prompts import prompts
 from .serving import serving_benchmark
@@ -11,5 +12,5 @@ from .vocab import vocab_mapping
 
 data_assets = [target_model, prompts, conversations, hidden_state_shards, vocab_mapping]
 drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
-serving_assets = [serving_benchmark]
+serving_assets = [serving_benchmark, benchmark_history, benchmark_regression]
 all_assets = data_assets + drafter_assets + serving_assets + [host_preflight]

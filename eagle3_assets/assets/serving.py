@@ -5,6 +5,7 @@ import dagster as dg
 from pydantic import Field
 
 from ..hosts import GpuHost
+from ..worker import charts
 from .prompts import PROMPT_SETS
 from .upstream import upstream_metadata
 
@@ -83,9 +84,21 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
         "out_dir": f"benchmarks/{engine}/{checkpoint[:12]}-{time.strftime('%Y%m%d-%H%M%S')}",
     })
     meta = run.result["metadata"]
-    result = run.materialize_result(history=HISTORY)
+    result = run.materialize_result(history=HISTORY, acceptance_chart=dg.MetadataValue.md(acceptance_chart(context, meta)))
     return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version,
                                 check_results=[consistency(context, meta, config), speedup(meta)])
+
+
+def acceptance_chart(context, meta: dict) -> str:
+    """Per-position acceptance as the engine counted it, beside offline_acceptance's."""
+    ev = context.instance.get_latest_materialization_event(dg.AssetKey("offline_acceptance"))
+    offline = {k: v.value for k, v in ev.asset_materialization.metadata.items()} if ev else {}
+    rows = []
+    for i, p in enumerate(meta.get("acceptance_per_pos") or []):
+        rows += [(f"position {i}  {meta['engine']}", p), (f"position {i}  offline", offline.get(f"acceptance_at_pos_{i}"))]
+    al = [(f"length  {meta['engine']}", meta.get("acceptance_length")), ("length  offline", offline.get("acceptance_length"))]
+    return ("Acceptance per draft position (engine vs offline reference):\n\n" + charts.bars(rows) if rows else "") + \
+        "\n\nAcceptance length:\n\n" + charts.bars(al, vmax=float(meta.get("num_speculative_tokens", 3)) + 1)
 
 
 def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.AssetCheckResult:

@@ -83,7 +83,9 @@ def _typed(metadata: dict[str, Any]) -> dict[str, Any]:
     for k, v in metadata.items():
         if v is None:
             continue
-        if isinstance(v, (dict, list)):
+        if k.endswith("_chart") and isinstance(v, str):
+            out[k] = {"raw_value": v, "type": "md"}
+        elif isinstance(v, (dict, list)):
             out[k] = {"raw_value": v, "type": "json"}
         elif k == "path" and isinstance(v, str):
             out[k] = {"raw_value": v, "type": "path"}

@@ -93,7 +93,10 @@ def measure(engine, server: EngineServer, requests: list, concurrency: int, max_
     if spec and engine is vllm:
         figures.update(vllm.acceptance(before, server.get("/metrics")[1].decode(), k))
     elif spec:
-        figures["acceptance_length"] = sglang.accept_length(json.loads(server.get(sglang.SERVER_INFO)[1]))
+        al = sglang.accept_length(json.loads(server.get(sglang.SERVER_INFO)[1]))
+        figures["acceptance_length"] = al
+        # a chain of k drafts per verify step (topk 1): accepted/drafted = (length - 1) / k; no per position
+        figures["acceptance_rate"] = (al - 1) / k if al is not None else None
     return figures, responses
 
 
@@ -142,9 +145,10 @@ def run(workdir: str, args: dict, reporter) -> None:
             reporter.log(f"starting {engine.NAME} ({mode}): {' '.join(argv[1:])}")
             ready = server.wait_ready(timeout, reporter)
             reporter.log(f"{engine.NAME} ({mode}) ready after {ready:.0f} s")
-            warm, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)  # compile/warm-up out of the figures
-            if warm[0].error:
-                raise StageError(f"{engine.NAME} ({mode}) refused its first request: {warm[0].error}")
+            if engine is not sglang:  # SGLang warms itself up; its accept length counts every request it served
+                warm, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)  # compile/warm-up out of the figures
+                if warm[0].error:
+                    raise StageError(f"{engine.NAME} ({mode}) refused its first request: {warm[0].error}")
             for c in levels:
                 figures, responses = measure(engine, server, requests, c, max_new, k, reporter, spec)
                 figures["server_ready_s"] = round(ready, 1)

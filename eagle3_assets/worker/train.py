@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from . import charts
 from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
 from .files import resolve, write_json
@@ -235,6 +236,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     sum_acc = torch.zeros(steps_k)
     n_batches, tokens, t0 = 0, 0, time.monotonic()
     epoch_tokens = data.tokens
+    curve, curve_every = {"step": [], "loss_0": [], "acc_0": []}, max(1, total_steps // 200)
     with reporter.progress("train", total_steps * 1, unit="steps") as prog:
         prog.update(step)
         done = 0
@@ -260,6 +262,10 @@ def run(workdir: str, args: dict, reporter) -> None:
                 done += 1
                 ntok = int(group.sum(ntok))
                 tokens += ntok
+                if group.is_main and ntok and group.rank < len(group_rows) and step % curve_every == 0:
+                    curve["step"].append(step)  # one sync per sampled step, for the training curve
+                    curve["loss_0"].append(round(float(losses[0]), 5))
+                    curve["acc_0"].append(round(float(accs[0]), 5))
                 if epoch == len(plans) - 1 and ntok and group.rank < len(group_rows):
                     sum_loss += torch.stack(losses).float().cpu()  # the last epoch's figures describe the
                     sum_acc += torch.stack(accs).float().cpu()     # final weights (rank 0's share of them)
@@ -306,6 +312,9 @@ def run(workdir: str, args: dict, reporter) -> None:
         **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
         **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
         "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},
+        "training_curve": curve,
+        "training_curve_chart": charts.curves({"loss (unroll step 0)": curve["loss_0"],
+                                               "accuracy (unroll step 0)": curve["acc_0"]}),
     }
     version = weights_hash(model_dir)
     reporter.materialize(metadata=meta, data_version=version)
