@@ -81,7 +81,8 @@ def benchmark_regression(context: dg.AssetExecutionContext, config: RegressionCo
     the same engine and settings: the two results and what differs between their lineages."""
     old, new = (lineage.history_row(context.instance, lineage.record(context.instance, "serving_benchmark", sid))
                 for sid in (config.old_storage_id, config.new_storage_id))
-    diffs = lineage.differences(old, new)
+    diffs = lineage.differences(old, new) if config.old_storage_id != config.new_storage_id else \
+        ["no earlier result of this engine to compare with: see the check's description"]
     report = "\n".join([f"**{config.why}**", "", "What differs between the two results' lineages:", ""]
                        + [f"- {d}" for d in diffs]
                        + ["", f"previous: run {old['run_id']}, checkpoint {str(old['checkpoint'])[:12]}, acceptance "
