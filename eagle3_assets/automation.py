@@ -45,8 +45,9 @@ def nightly_rebenchmark(context: dg.ScheduleEvaluationContext):
                             run_config=_bench_run_config())
 
 
-def regressions(rows: list[dict], new: dict) -> str | None:
-    """Why `new` is a regression against the previous row with the same engine and settings, or None."""
+def regressions(rows: list[dict], new: dict) -> tuple[str, dict] | None:
+    """(why, the previous row) when `new` dropped against the previous row with the same engine and
+    settings, else None."""
     previous = [r for r in rows if r["storage_id"] < new["storage_id"] and r["engine"] == new["engine"]
                 and r["settings"] == new["settings"]]
     if not previous:
@@ -57,10 +58,11 @@ def regressions(rows: list[dict], new: dict) -> str | None:
         a, b = old[key], new[key]
         if a is not None and b is not None and b < a * (1 - limit):
             why.append(f"{key} {a:.3f} -> {b:.3f} ({(b - a) / a:+.1%}, threshold -{limit:.0%})")
-    return f"{new['engine']}: " + ", ".join(why) if why else None
+    return (f"{new['engine']}: " + ", ".join(why), old) if why else None
 
 
 def _previous_storage_id(rows: list[dict], new: dict) -> int:
+    """The result before `new` on the same engine (any settings): context for a failed check's report."""
     same = [r for r in rows if r["storage_id"] < new["storage_id"] and r["engine"] == new["engine"]]
     return same[-1]["storage_id"] if same else new["storage_id"]
 
@@ -96,8 +98,9 @@ def benchmark_regression_sensor(context: dg.SensorEvaluationContext):
         if row["storage_id"] <= cursor["bench"]:
             continue
         cursor["bench"] = max(cursor["bench"], row["storage_id"])
-        if (why := regressions(rows, row)) is not None:
-            yield _report(row["storage_id"], _previous_storage_id(rows, row), why, f"drop-{row['storage_id']}")
+        if (found := regressions(rows, row)) is not None:
+            why, old = found
+            yield _report(row["storage_id"], old["storage_id"], why, f"drop-{row['storage_id']}")
     for check_id, target, why in _failed_checks(context.instance, cursor["checks"]):
         cursor["checks"] = max(cursor["checks"], check_id)
         checked = [r for r in rows if target is None or r["storage_id"] == target] or rows[-1:]

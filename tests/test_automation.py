@@ -24,3 +24,19 @@ def test_regression_sensor_is_on_by_default_and_reports_through_its_own_job():
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     job = defs.resolve_job_def(sensor.job_name)
     assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == {"benchmark_regression"}
+
+
+def test_a_drop_is_judged_against_the_previous_result_with_the_same_engine_and_settings():
+    from eagle3_assets.automation import regressions
+
+    def row(i, al, speedup, settings="{}", engine="vllm"):
+        return {"storage_id": i, "engine": engine, "settings": settings, "acceptance_length": al, "speedup": speedup}
+
+    rows = [row(1, 2.00, 1.50), row(2, 1.10, 0.80, settings='{"limit": 2}'), row(3, 1.97, 1.48),
+            row(4, 1.80, 1.47), row(5, 1.0, 0.5, engine="sglang")]
+    assert regressions(rows, rows[0]) is None                      # nothing before it
+    assert regressions(rows, rows[1]) is None                      # other settings: not comparable
+    assert regressions(rows, rows[2]) is None                      # -1.5 %: noise below the 5 % threshold
+    why, old = regressions(rows, rows[3])                          # -8.6 % against #3, not #1
+    assert old["storage_id"] == 3 and why.startswith("vllm: acceptance_length 1.970 -> 1.800")
+    assert regressions(rows, rows[4]) is None                      # another engine's first result
