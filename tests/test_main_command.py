@@ -100,7 +100,8 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
         assert nodes == {**{a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
                                                  "vocab_mapping")},
                          **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")},
-                         "host_preflight": "host", "serving_benchmark": "serving"}
+                         "host_preflight": "host",
+                         **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression")}}
         runs = data["runsOrError"]["results"]
         # check_host, prepare_data, 2 shards, train_drafter, benchmark_serving (vllm)
         assert len(runs) == 6 and all(r["status"] == "SUCCESS" for r in runs)
