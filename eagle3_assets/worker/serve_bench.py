@@ -88,7 +88,7 @@ def measure(engine, server: EngineServer, requests: list, concurrency: int, max_
     failed = [r for r in responses if r.error]
     if failed:
         raise StageError(f"{len(failed)}/{len(responses)} requests to {engine.NAME} failed, first: {failed[0].error}"
-                         + (f"\n{why}" if (why := server.died()) else ""))
+                         + (f"\n{why}" if (why := server.died(wait_s=10)) else ""))
     figures = load.summarize(responses, wall)
     if spec and engine is vllm:
         figures.update(vllm.acceptance(before, server.get("/metrics")[1].decode(), k))

@@ -54,8 +54,16 @@ class EngineServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def died(self) -> str | None:
-        if self.proc is not None and self.proc.poll() is not None:
+    def died(self, wait_s: float = 0.0) -> str | None:
+        """Why the server is gone, or None if it still runs. `wait_s` covers the moment after a crash in which
+        its sockets are already closed (so requests fail) but the process is not yet reaped."""
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(timeout=wait_s) if wait_s else None
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.poll() is not None:
             return f"{self.name} exited with status {self.proc.returncode}; the end of its log ({self.log_path}):\n" \
                    f"{log_tail(self.log_path)}"
         return None
