@@ -20,6 +20,10 @@ import fsspec
 import pyarrow.parquet as pq
 
 BUNDLED = "bundled"
+# 560 single-turn prompts (code, maths, explanations, writing, advice, trivia): the drafter recipe's data,
+# 400 for training and the rest held out (bench/drafter_recipe.py).
+SINGLE_TURN = "single-turn"
+SHIPPED = {BUNDLED: "datasets/bundled_prompts.jsonl", SINGLE_TURN: "datasets/single_turn_prompts.jsonl"}
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
 
@@ -61,9 +65,9 @@ def _open(source: str):
 
 def iter_records(source: str) -> Iterator[tuple[str, dict]]:
     """(place, record) pairs; place is 'file, line N' or 'file, record N' for error messages."""
-    if source == BUNDLED:
-        text = resources.files("eagle3_assets").joinpath("datasets/bundled_prompts.jsonl").read_text("utf-8")
-        yield from _jsonl_lines("bundled prompts", io.StringIO(text))
+    if source in SHIPPED:
+        text = resources.files("eagle3_assets").joinpath(SHIPPED[source]).read_text("utf-8")
+        yield from _jsonl_lines(f"{source} prompts", io.StringIO(text))
         return
     name = source.lower().removesuffix(".gz")
     with _open(source) as raw:
@@ -151,7 +155,7 @@ def clean(messages: list[dict], place: str, max_user_turns: int, max_message_cha
 
 def load_source(source: str, *, max_user_turns: int, max_message_chars: int, on_bad_record: str,
                 stats: LoadStats) -> Iterator[Conversation]:
-    label = BUNDLED if source == BUNDLED else source
+    label = source
     for place, rec in iter_records(source):
         stats.records += 1
         try:
@@ -181,6 +185,15 @@ def humaneval() -> list[Conversation]:
             text = f"Complete the following Python function.\n\n```python\n{rec['prompt']}```"
             out.append(Conversation(rec["task_id"], "humaneval", [{"role": "user", "content": text}]))
     return out
+
+
+def split(convs: list, eval_fraction: float, max_train: int | None = None) -> tuple[list, list]:
+    """(train, eval) by `is_eval`; a tiny set still gets an eval conversation; train capped at `max_train`."""
+    train = [c for c in convs if not is_eval(c.key, eval_fraction)]
+    evals = [c for c in convs if is_eval(c.key, eval_fraction)]
+    if eval_fraction > 0 and not evals and len(train) > 1:
+        evals.append(train.pop())
+    return (train if max_train is None else train[:max_train]), evals
 
 
 def is_eval(key: str, fraction: float) -> bool:

@@ -58,6 +58,21 @@ def test_bundled_set_is_varied_and_clean():
     assert len({c.key for c in convs}) == len(convs)
 
 
+def test_single_turn_set_gives_the_recipe_400_training_prompts_and_a_disjoint_held_out_split():
+    from eagle3_assets.prompt_sources import split
+
+    convs, stats = _load("single-turn")
+    assert len(convs) == 560 and stats.empty_turns_dropped == 0
+    assert all(len(c.messages) == 1 and c.messages[0]["role"] == "user" for c in convs)
+    cats = {c.id.split("-")[1] for c in convs}
+    assert cats == {"code", "maths", "explanations", "writing", "advice", "trivia"}
+    train, held = split(convs, 0.25, 400)
+    assert len(train) == 400 and len(held) >= 100
+    assert not {c.key for c in train} & {c.key for c in held}
+    bundled = {c.key for c in _load("bundled")[0]}
+    assert not bundled & {c.key for c in convs}  # no prompt of the other shipped set reappears
+
+
 def test_split_is_stable_when_prompts_are_added():
     convs, _ = _load("bundled")
     before = {c.key for c in convs[:150] if is_eval(c.key, 0.1)}

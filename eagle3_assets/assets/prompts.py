@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from ..hosts import GpuHost
-from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, is_eval, load_source
+from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, load_source, split
 
 TRAIN, EVAL, EVAL_HUMANEVAL = "prompts/train.parquet", "prompts/eval.parquet", "prompts/eval_humaneval.parquet"
 # Prompt sets acceptance is measured on; `train` is a sanity check (a drafter must do well on its own data).
@@ -26,7 +26,7 @@ SCHEMA = pa.schema([
 
 
 class PromptsConfig(dg.Config):
-    sources: list[str] = Field(default=[BUNDLED], description="'bundled' and/or paths or fsspec URLs of ShareGPT, "
+    sources: list[str] = Field(default=[BUNDLED], description="'bundled', 'single-turn' and/or paths or fsspec URLs of ShareGPT, "
                                "UltraChat or OpenAI-messages files (.json, .jsonl, .parquet, optionally .gz)")
     eval_fraction: float = Field(default=0.05, description="share held out for evaluation (never trained on)")
     max_user_turns: int = Field(default=8, description="keep at most this many user turns per conversation")
@@ -67,12 +67,7 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, gpu_host: 
     if not convs:
         raise dg.Failure(description=f"no usable conversations in {config.sources}")
 
-    train = [c for c in convs if not is_eval(c.key, config.eval_fraction)]
-    evals = [c for c in convs if is_eval(c.key, config.eval_fraction)]
-    if config.eval_fraction > 0 and not evals and len(train) > 1:
-        evals.append(train.pop())  # a tiny set still gets an eval conversation
-    if config.max_train_conversations is not None:
-        train = train[: config.max_train_conversations]
+    train, evals = split(convs, config.eval_fraction, config.max_train_conversations)
     if not train:
         raise dg.Failure(description="every conversation went to the eval split: lower eval_fraction or add prompts")
 
