@@ -89,6 +89,89 @@ def test_resume_after_a_kill_ends_with_identical_weights(trained):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
+    """The recipe's switches do what they say, and held-out acceptance is measured per epoch."""
+    from eagle3_assets.worker.target import load_config, text_config
+    from eagle3_assets.worker.target_head import load_target_head
+
+    target = trained.latest("target_model")["path"]
+    args = {"target": target, "shards": ["hidden_states/shard-00000"], "eval_shards": ["hidden_states/shard-00001"],
+            "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128,
+            "rows_per_batch": 2, "train_lm_head": False, "loss_on": "all", "out": "drafter/frozen", "resume": False,
+            "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1}
+    cmd, env = _worker(trained.workdir, "train", args)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+    hp = meta["hyperparameters"]
+    assert hp["train_lm_head"] is False and hp["loss_on"] == "all" and hp["noise_std"] == 0.2 and hp["init_layer"] == -1
+    assert "draft layer initialised from target layer 29" in done.stderr
+    # frozen: the draft lm_head is still exactly the target's rows of the draft vocab (the final norm, which
+    # started as the target's, trains)
+    w = load_file(str(trained.workdir / "drafter/frozen/model/model.safetensors"))
+    head = load_target_head(Path(target), text_config(load_config(Path(target))).rms_norm_eps)
+    rows = torch.arange(w["d2t"].shape[0]) + w["d2t"]
+    assert torch.equal(w["lm_head.weight"].float(), head.lm_head[rows].float())
+    assert not torch.equal(w["norm.weight"].float(), head.norm_weight.float())
+    assert torch.allclose(w["norm.weight"].float(), head.norm_weight.float(), rtol=0.1)
+    assert not torch.equal(w["fc.weight"], torch.zeros_like(w["fc.weight"]))
+    # held out: one figure per epoch, chain acceptance can only shrink along the chain
+    assert meta["heldout_curve"]["epoch"] == [1, 2]
+    accept = [meta[f"heldout_accept_{i}"] for i in range(3)]
+    assert 1 >= accept[0] >= accept[1] >= accept[2] >= 0
+    assert meta["heldout_acceptance_length_k3"] == pytest.approx(1 + sum(accept), abs=1e-3)
+
+
+def test_the_training_scale_of_fc_inputs_is_folded_into_the_saved_fc():
+    """aux_scale is a training-only reparametrization: a drafter loaded from the saved weights (plain fc, as the
+    engines run it) computes exactly what the trained one did."""
+    from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, init_weights
+
+    c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, vocab_size=100,
+                    draft_vocab_size=50, target_hidden_size=32, aux_layer_ids=[1, 2, 3])
+    torch.manual_seed(0)
+    trained = Eagle3Drafter(c, torch.randn(100, 32))
+    init_weights(trained)
+    trained.aux_scale.copy_(torch.rand(96) * 10)
+    served = Eagle3Drafter(c, torch.randn(100, 32))
+    state = trained.export_state()
+    assert "aux_scale" not in state
+    served.load_state_dict(state, strict=False)
+    aux = torch.randn(2, 5, 96)
+    assert torch.allclose(trained.combine(aux), served.combine(aux), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(trained.fc(aux), served.fc(aux))  # the fold did something
+
+
+def test_cached_target_labels_give_the_same_loss_as_the_full_head(trained):
+    """Training reads the target's greedy labels from a cache and computes only the draft vocab's logits;
+    the loss and accuracies must equal those of the full-vocab computation."""
+    from eagle3_assets.worker.checkpoint import load_drafter_dir
+    from eagle3_assets.worker.drafter import Eagle3Drafter
+    from eagle3_assets.worker.target import load_config, text_config
+    from eagle3_assets.worker.target_head import load_target_head
+    from eagle3_assets.worker.train import batch_on, draft_index, target_labels, ttt_loss
+    from eagle3_assets.worker.train_data import ShardSet, plan_batches
+
+    target = Path(trained.latest("target_model")["path"])
+    tc = text_config(load_config(target))
+    cfg, weights = load_drafter_dir(Path(trained.latest("eagle3_drafter")["path"]), tc)
+    head = load_target_head(target, tc.rms_norm_eps)
+    model = Eagle3Drafter(cfg, head.embed.float())
+    model.load_state_dict(weights, strict=False)
+    data = ShardSet([trained.workdir / "hidden_states/shard-00000"], tc.hidden_size)
+    d2t_ids, to_draft = draft_index(model)
+    head.float().restrict(d2t_ids)
+    labels = target_labels(data, head, to_draft, "cpu", torch.float32, chunk_tokens=50)
+    rows = plan_batches([r.length for r in data.refs], 0, 0, 128, 2)[0]
+    with torch.no_grad():
+        cached = ttt_loss(model, head, batch_on(data, rows, 128, "cpu", labels), 3, 0.8, torch.float32)
+        full = ttt_loss(model, head, batch_on(data, rows, 128, "cpu"), 3, 0.8, torch.float32)
+    assert torch.allclose(cached[0], full[0], rtol=1e-5)
+    assert [float(a) for a in cached[2]] == [float(a) for a in full[2]] and cached[4] == full[4]
+    assert float(full[2][0]) > 0  # a trained drafter: the comparison is not between zeros
+
+
 def test_exports_meet_each_engines_contract(trained):
     meta = trained.latest("drafter_export")
     assert meta["validated"] is True

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from .errors import StageError
+from .report import relayed
 
 RELAY_ENV = "EAGLE3_REPORT_JSONL"
 
@@ -76,13 +77,8 @@ def launch(workdir: str, args: dict, reporter, n: int) -> None:
     reporter.log(f"launching data-parallel training on {n} processes: {' '.join(cmd[:8])} ...")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     error = None
-    for line in proc.stdout:
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            print(line, end="", file=sys.stderr)
-            continue
-        kind = msg.get("kind") if isinstance(msg, dict) else None
+    for msg in relayed(proc.stdout):
+        kind = msg.get("kind")
         if kind == "log":
             reporter.log(msg["message"], msg.get("level", "info"))
         elif kind == "materialize":

@@ -166,6 +166,14 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        # Training-only reparametrization of fc's input: one scale per aux layer (their hidden states differ
+        # ~10x in size, so with Adam the small layers would barely move). Folded into fc.weight on export,
+        # so the engines see a plain fc.
+        self.register_buffer("aux_scale", torch.ones(3 * c.target_hidden_size))
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the 3 aux hidden states: the draft's hidden state for step 0."""
+        return self.fc(aux * self.aux_scale.to(aux.dtype))
 
     def step(self, input_ids, hidden, positions, cache, mask):
         """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden)."""
@@ -180,7 +188,9 @@ class Eagle3Drafter(nn.Module):
 
     # -- checkpoint names: exactly the exported tensor names (no embed_tokens) --
     def export_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "aux_scale"))}
+        state["fc.weight"] = state["fc.weight"] * self.aux_scale[None, :].to(state["fc.weight"].dtype)
+        return state
 
 
 def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
@@ -192,6 +202,31 @@ def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
     same = (doc[:, :, None] == doc[:, None, :]) & causal
     eye = torch.eye(T, dtype=torch.bool, device=doc.device)
     return (same | ((doc < 0)[:, :, None] & eye))[:, None]
+
+
+def init_from_target_layer(model: "Eagle3Drafter", layer: dict[str, torch.Tensor]) -> None:
+    """Start the draft decoder layer from one of the target's: its attention reads both halves of its 2H
+    input (token embedding, hidden) with the target layer's projections, its MLP and norms are the target's,
+    and fc passes the top aux layer through. A language prior the few training samples cannot give."""
+    m, f = model.midlayer, lambda k: layer[k].float()
+    want = {"self_attn.q_proj.weight": m.self_attn.q_proj.weight.shape[:1], "self_attn.k_proj.weight": m.self_attn.k_proj.weight.shape[:1],
+            "self_attn.v_proj.weight": m.self_attn.v_proj.weight.shape[:1], "mlp.gate_proj.weight": m.mlp.gate_proj.weight.shape}
+    for name, shape in want.items():  # a dense Llama-like layer of the draft's shapes (not MoE, not MLA)
+        if name not in layer or layer[name].shape[:len(shape)] != shape:
+            raise ValueError(f"target layer has no {name} of shape {tuple(shape)}")
+    with torch.no_grad():
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            w = f(f"self_attn.{proj}.weight")
+            getattr(m.self_attn, proj).weight.copy_(torch.cat([w, w], dim=1) * 0.5)
+        m.self_attn.o_proj.weight.copy_(f("self_attn.o_proj.weight"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(m.mlp, name).weight.copy_(f(f"mlp.{name}.weight"))
+        m.input_layernorm.weight.copy_(f("input_layernorm.weight"))
+        m.hidden_norm.weight.copy_(f("input_layernorm.weight"))
+        m.post_attention_layernorm.weight.copy_(f("post_attention_layernorm.weight"))
+        h = model.config.hidden_size
+        model.fc.weight.zero_()
+        model.fc.weight[:, 2 * h:3 * h].copy_(torch.eye(h))
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -134,3 +134,16 @@ class Progress:
     def close(self) -> None:
         self._bar.close()
         self.reporter.log(self.line() + f", {time.monotonic() - self.start:.1f} s")
+
+
+def relayed(stream) -> Iterator[dict]:
+    """The messages of a worker run with EAGLE3_REPORT_JSONL=1, read from its stdout; any other line is
+    passed on to stderr as it is."""
+    for line in stream:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            print(line, end="", file=sys.stderr)
+            continue
+        if isinstance(msg, dict):
+            yield msg

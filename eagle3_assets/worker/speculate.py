@@ -36,7 +36,7 @@ class ChainSpeculator:
         ids = torch.tensor([tokens[1:m]], device=dev)
         pos = torch.arange(m - 1, device=dev)[None]
         cache: list = []
-        h = d.step(ids, d.fc(aux[None, : m - 1].to(d.fc.weight.dtype)), pos, cache, None)[:, -1:]
+        h = d.step(ids, d.combine(aux[None, : m - 1].to(d.fc.weight.dtype)), pos, cache, None)[:, -1:]
         out = []
         for j in range(self.k):
             nxt = d.to_target_ids(d.logits(h)[0, -1].argmax()).item()

@@ -48,6 +48,22 @@ def load_target_head(path: Path, eps: float) -> "TargetHead":
     return TargetHead(got["embed"], got["norm"], got.get("lm_head", got["embed"]), eps)
 
 
+def load_target_layer(path: Path, layer: int) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights, named as in the layer (`self_attn.q_proj.weight`, `mlp.up_proj.weight`...)."""
+    from safetensors import safe_open
+
+    where = _locate(path)
+    out = {}
+    for prefix in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}."):
+        for name, f in where.items():
+            if name.startswith(prefix):
+                with safe_open(str(f), "pt") as st:
+                    out[name[len(prefix):]] = st.get_tensor(name)
+        if out:
+            return out
+    raise StageError(f"target {path}: no tensors of decoder layer {layer} in its safetensors files")
+
+
 class TargetHead(torch.nn.Module):
     """Frozen: final hidden (pre-norm) -> the target's logits."""
 
@@ -58,8 +74,15 @@ class TargetHead(torch.nn.Module):
         self.lm_head = torch.nn.Parameter(lm_head, requires_grad=False)
         self.eps = eps
 
-    def forward(self, final: torch.Tensor) -> torch.Tensor:
+    def forward(self, final: torch.Tensor, draft_only: bool = False) -> torch.Tensor:
+        """The target's logits; `draft_only`: just the draft vocab's columns (see `restrict`), 6x cheaper for
+        a 49k-token target vocab and an 8k draft vocab."""
         x = final.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = (self.norm_weight * x.to(self.norm_weight.dtype))
-        return x.to(self.lm_head.dtype) @ self.lm_head.T
+        w = self.draft_lm_head if draft_only else self.lm_head
+        return x.to(w.dtype) @ w.T
+
+    def restrict(self, target_ids: torch.Tensor) -> None:
+        """Keep the lm_head rows of the draft vocab (call again after moving the head)."""
+        self.draft_lm_head = self.lm_head.detach()[target_ids.to(self.lm_head.device)]

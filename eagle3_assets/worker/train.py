@@ -33,9 +33,12 @@ from .target_head import load_target_head
 from .train_data import ShardSet, collate, plan_batches
 
 TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
-              "step_decay")
+              "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale", "noise_std",
+              "weight_decay", "init_layer", "loss")
 DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_steps=7, row_tokens=2048,
-                rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0)
+                rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0, loss_on="all",
+                train_lm_head=True, init_head="target", precision="auto", aux_scale="none", noise_std=0.0,
+                weight_decay=0.0, init_layer=-1, loss="soft")
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -46,23 +49,83 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, dtype):
-    """Returns (weighted loss, [loss_i], [acc_i], positions counted)."""
+def draft_index(model: Eagle3Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target ids of the draft vocab, target id -> draft id or -1)."""
     d2t_ids = torch.arange(model.config.draft_vocab_size, device=model.d2t.device) + model.d2t
     to_draft = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=model.d2t.device)
     to_draft[d2t_ids] = torch.arange(model.config.draft_vocab_size, device=model.d2t.device)
+    return d2t_ids, to_draft
+
+
+def target_labels(data: ShardSet, head, to_draft: torch.Tensor, device: str, dtype, chunk_tokens: int = 16384,
+                  progress=None) -> list[torch.Tensor]:
+    """Per sample, the target's greedy next token as a draft id (-1: not in the draft vocab). Computed once
+    through the full lm_head, so that every training step needs only the draft vocab's rows."""
+    out: list[torch.Tensor] = [None] * len(data.refs)  # type: ignore[list-item]
+    pending: list[tuple[int, torch.Tensor]] = []
+
+    def flush():
+        finals = torch.cat([f for _, f in pending]).to(device, dtype)
+        with torch.no_grad():
+            labels = to_draft[head(finals).argmax(-1)].to("cpu", torch.int32)
+        o = 0
+        for i, f in pending:
+            out[i] = labels[o: o + f.shape[0]]
+            o += f.shape[0]
+        if progress is not None:
+            progress.update(len(pending))
+        pending.clear()
+
+    size = 0
+    for i, ref in enumerate(data.refs):
+        pending.append((i, data.read(ref)["final"]))
+        size += ref.length
+        if size >= chunk_tokens:
+            flush()
+            size = 0
+    if pending:
+        flush()
+    return out
+
+
+def aux_rms_scale(data: ShardSet, hidden: int, samples: int = 64) -> torch.Tensor:
+    """1 / (median per-token RMS) of each aux layer over a fixed sample of the data, per channel."""
+    step = max(1, len(data.refs) // samples)
+    aux = torch.cat([data.read(r)["aux"].float() for r in data.refs[::step]])
+    rms = aux.view(aux.shape[0], 3, hidden).pow(2).mean(-1).sqrt().median(0).values.clamp(min=1e-6)
+    return (1.0 / rms).repeat_interleave(hidden)
+
+
+def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, dtype, noise=None,
+             hard: bool = False):
+    """Returns (weighted loss, [loss_i], [acc_i], positions counted, [accept_i]). accept_i: the share of
+    positions whose draft chain is right at every step up to i, which is what greedy chain speculation
+    accepts; 1 + sum(accept_i) estimates the acceptance length.
+
+    With batch["t_draft"] (from `target_labels`; `head.restrict` done) only the draft vocab's target logits
+    are computed; without, the full ones. `noise`: per-channel std of Gaussian noise added to the aux
+    hidden states (training only): the drafter must not rely on exact values it will not see again.
+    `hard`: cross-entropy on the target's greedy token instead of its whole distribution."""
+    d2t_ids, to_draft = draft_index(model)
     with torch.no_grad():
-        tlogits = head(batch["final"].to(dtype))
-        t_arg = tlogits.argmax(-1)
-        t_draft = to_draft[t_arg]  # -1: the target's choice is not expressible in the draft vocab
-        target_p = torch.softmax(tlogits[..., d2t_ids].float(), dim=-1)
-        del tlogits
+        if "t_draft" in batch:
+            t_draft = batch["t_draft"]
+            target_p = torch.softmax(head(batch["final"].to(dtype), draft_only=True).float(), dim=-1)
+        else:
+            tlogits = head(batch["final"].to(dtype))
+            t_draft = to_draft[tlogits.argmax(-1)]  # -1: the target's choice is not expressible in the draft vocab
+            target_p = torch.softmax(tlogits[..., d2t_ids].float(), dim=-1)
+            del tlogits
     ids, doc, pos, lmask = batch["input_ids"], batch["doc"], batch["pos"], batch["loss_mask"]
-    hidden = model.fc(batch["aux"].to(dtype))
+    aux = batch["aux"].to(dtype)
+    if noise is not None:
+        aux = aux + torch.randn_like(aux) * noise.to(aux.dtype)
+    hidden = model.combine(aux)
     cache: list = []
-    total, losses, accs = 0.0, [], []
+    total, losses, accs, accept = 0.0, [], [], []
     one_doc = doc.shape[0] == 1 and bool((doc == 0).all())
     mask0 = None if one_doc else doc_causal_mask(doc)  # None: the fused causal kernel
+    start = chain = None
     for i in range(steps):
         n = i + 1
         same = (shift(doc, n, -2) == doc) & (doc >= 0)
@@ -72,12 +135,22 @@ def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, 
         logits = model.logits(hidden).float()
         denom = counted.sum().clamp(min=1)
         logp = torch.log_softmax(logits, dim=-1)
-        loss_i = -(shift(target_p, n) * logp).sum(-1)[valid].sum() / denom
-        acc_i = ((logits.argmax(-1) == shift(t_draft, n, -1)) & valid).sum().float() / denom
+        if hard:
+            label = shift(t_draft, n, -1).clamp(min=0)
+            loss_i = -logp.gather(-1, label[..., None]).squeeze(-1)[valid].sum() / denom
+        else:
+            loss_i = -(shift(target_p, n) * logp).sum(-1)[valid].sum() / denom
+        correct = (logits.argmax(-1) == shift(t_draft, n, -1)) & valid
+        acc_i = correct.sum().float() / denom
+        if i == 0:
+            start, chain = counted, correct
+        else:
+            chain = chain & correct
         total = total + (decay ** i) * loss_i
         losses.append(loss_i.detach())
         accs.append(acc_i.detach())
-    return total, losses, accs, int(counted.sum()) if steps else 0
+        accept.append(chain.sum().float() / start.sum().clamp(min=1))
+    return total, losses, accs, int(counted.sum()) if steps else 0, accept
 
 
 def _lr_lambda(total_steps: int, warmup: int):
@@ -98,22 +171,40 @@ def simulated_acceptance_length(accs: list[float]) -> float:
     return total
 
 
-def autocast(device: str):
-    """bf16 compute with fp32 master weights on GPU; plain fp32 on CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
+def bf16_compute(device: str, precision: str = "auto") -> bool:
+    """bf16 matmuls with fp32 master weights: on GPU, and on CPUs with bf16 instructions (AVX512-BF16, AMX),
+    where it doubles training speed; `precision` fp32 or bf16 forces it."""
+    if precision != "auto":
+        return precision == "bf16"
+    return device.startswith("cuda") or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device) -> tuple[list, list]:
-    """Mean per-step loss and accuracy over `plan` without updating: the same figures before and after."""
-    sum_loss, sum_acc = torch.zeros(steps), torch.zeros(steps)
-    with torch.no_grad(), autocast(device):
+def autocast(device: str, bf16: bool | None = None):
+    bf16 = device.startswith("cuda") if bf16 is None else bf16
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+
+
+def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device, bf16=None,
+             labels=None, loss_on: str = "responses") -> tuple[list, list, list]:
+    """Mean per-step loss, accuracy and chain acceptance over `plan`, without updating."""
+    sums = [torch.zeros(steps) for _ in range(3)]
+    with torch.no_grad(), autocast(device, bf16):
         for rows in plan:
-            batch = {k: v.to(device) for k, v in collate(data, rows, row_tokens).items()}
-            _, losses, accs, _ = ttt_loss(model, head, batch, steps, decay, dtype)
-            sum_loss += torch.stack(losses).float().cpu()
-            sum_acc += torch.stack(accs).float().cpu()
+            batch = batch_on(data, rows, row_tokens, device, labels, loss_on)
+            _, losses, accs, _, accept = ttt_loss(model, head, batch, steps, decay, dtype)
+            for acc_sum, xs in zip(sums, (losses, accs, accept)):
+                acc_sum += torch.stack(xs).float().cpu()
     n = max(len(plan), 1)
-    return (sum_loss / n).tolist(), (sum_acc / n).tolist()
+    return tuple((x / n).tolist() for x in sums)
+
+
+def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str = "responses") -> dict:
+    batch = collate(data, rows, row_tokens, labels)
+    if loss_on == "all":  # the target's predictions on prompt tokens are training signal too
+        batch["loss_mask"] = batch["doc"] >= 0
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
@@ -140,7 +231,8 @@ def run(workdir: str, args: dict, reporter) -> None:
     procs = int(args.get("num_processes") or 1)
     if procs > 1 and "RANK" not in os.environ:
         return launch(workdir, args, reporter, procs)
-    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and v is not None}}
+    # None means "the default", except where None is itself a setting (init_layer: None = random init)
+    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and (v is not None or k == "init_layer")}}
     out = resolve(workdir, args["out"])
     target = resolve(workdir, args["target"])
     tc = text_config(load_config(target))
@@ -149,6 +241,12 @@ def run(workdir: str, args: dict, reporter) -> None:
     group = Group(device)
     device = group.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    bf16 = bf16_compute(device, str(hp["precision"]))
+    if hp["loss_on"] not in ("responses", "all") or hp["init_head"] not in ("target", "random") or \
+            hp["aux_scale"] not in ("none", "rms") or hp["loss"] not in ("soft", "hard"):
+        raise StageError(f"loss_on must be responses or all (got {hp['loss_on']!r}), init_head target or random "
+                         f"(got {hp['init_head']!r}), aux_scale none or rms (got {hp['aux_scale']!r}), loss soft "
+                         f"or hard (got {hp['loss']!r})")
     torch.manual_seed(int(hp["seed"]))
     if device == "cpu":
         torch.use_deterministic_algorithms(True)
@@ -183,15 +281,43 @@ def run(workdir: str, args: dict, reporter) -> None:
         init_weights(model)
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
-        with torch.no_grad():  # start from the target's own output rows: a head that already speaks its vocab
-            model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + d2t].float())
+        if hp["init_head"] == "target":  # the target's own final norm and output rows: a head that already
+            with torch.no_grad():         # speaks its vocab, fed a hidden state like the target's last one
+                model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + d2t].float())
+                model.norm.weight.copy_(head.norm_weight.float())
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert set(missing) <= {"embed_tokens.weight"} and not unexpected, (missing, unexpected)
+        assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
+    if hp["init_layer"] is not None and weights is None:
+        from .drafter import init_from_target_layer
+        from .target_head import load_target_layer
+
+        layer = int(hp["init_layer"]) % tc.num_hidden_layers  # -1: the last
+        try:
+            init_from_target_layer(model, load_target_layer(target, layer))
+            reporter.log(f"draft layer initialised from target layer {layer}")
+        except (ValueError, StageError) as e:  # e.g. an MoE target: its layers do not fit a dense draft layer
+            reporter.log(f"draft layer initialised at random: target layer {layer} does not fit it ({e})", "warning")
+    if hp["aux_scale"] == "rms" and weights is None:
+        model.aux_scale.copy_(aux_rms_scale(data, tc.hidden_size))
+    # noise relative to each aux layer's typical size
+    noise = (float(hp["noise_std"]) / aux_rms_scale(data, tc.hidden_size)).to(device) if hp["noise_std"] else None
     model.to(device)
     head.to(device=device, dtype=dtype)
     for p in model.embed_tokens.parameters():
         p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(bool(hp["train_lm_head"]))
+    d2t_ids, to_draft = draft_index(model)
+    head.restrict(d2t_ids)
+    with reporter.progress("target labels", len(data.refs), unit="samples") as prog, autocast(device, bf16):
+        labels = target_labels(data, head, to_draft, device, dtype, progress=prog)
+    held = None
+    if args.get("eval_shards"):  # held-out hidden states: acceptance on data the drafter never saw, per epoch
+        held_data = ShardSet([resolve(workdir, s) for s in args["eval_shards"]], tc.hidden_size, cfg.aux_layer_ids)
+        with autocast(device, bf16):
+            held_labels = target_labels(held_data, head, to_draft, device, dtype)
+        held = (held_data, held_labels,
+                plan_batches([r.length for r in held_data.refs], 0, 0, int(hp["row_tokens"]), int(hp["rows_per_batch"])))
 
     lengths = [r.length for r in data.refs]
     plans = [plan_batches(lengths, e, int(hp["seed"]), int(hp["row_tokens"]), int(hp["rows_per_batch"]))
@@ -201,7 +327,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
     total_steps = sum(len(p) for p in steps_of)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
 
     # A checkpoint only resumes the run it belongs to: same data, same settings.
@@ -230,7 +356,13 @@ def run(workdir: str, args: dict, reporter) -> None:
     steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
     # A fixed probe of the training data, measured before and after: did this run teach the drafter?
     probe = plans[0][group.rank: int(args.get("probe_batches", 8)): group.world] if plans else []
-    before = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
+    def measure(on, rows_plan, lab, loss_on="responses"):
+        # held-out figures always count replies only: that is where an engine drafts
+        return evaluate(model, head, on, rows_plan, int(hp["row_tokens"]), steps_k, decay, dtype, device, bf16, lab,
+                        loss_on)
+
+    before = measure(data, probe, labels, str(hp["loss_on"]))
+    heldout_curve = {"epoch": [], "acceptance_length": []}
     save_every = int(hp["save_every_steps"])
     sum_loss = torch.zeros(steps_k)
     sum_acc = torch.zeros(steps_k)
@@ -248,9 +380,10 @@ def run(workdir: str, args: dict, reporter) -> None:
                 ntok = 0
                 if group.rank < len(group_rows):  # the last step of an epoch may leave a rank without a batch
                     rows = group_rows[group.rank]
-                    batch = {k: v.to(device, non_blocking=True) for k, v in collate(data, rows, int(hp["row_tokens"])).items()}
-                    with autocast(device):
-                        loss, losses, accs, _ = ttt_loss(model, head, batch, steps_k, decay, dtype)
+                    batch = batch_on(data, rows, int(hp["row_tokens"]), device, labels, str(hp["loss_on"]))
+                    with autocast(device, bf16):
+                        loss, losses, accs, _, _ = ttt_loss(model, head, batch, steps_k, decay, dtype, noise,
+                                                            hp["loss"] == "hard")
                     loss.backward()
                     ntok = int((batch["doc"] >= 0).sum())
                 group.all_reduce_grads(params)
@@ -272,13 +405,19 @@ def run(workdir: str, args: dict, reporter) -> None:
                     n_batches += 1
                 prog.update(1, tokens=ntok)
                 end_of_epoch = b == len(plan) - 1
+                if end_of_epoch and held is not None and group.is_main:
+                    accept = measure(held[0], held[2], held[1])[2]
+                    heldout_curve["epoch"].append(epoch + 1)
+                    heldout_curve["acceptance_length"].append(round(1 + sum(accept[:3]), 4))
+                    reporter.log(f"epoch {epoch + 1}: held-out acceptance length (k=3) {1 + sum(accept[:3]):.3f}")
                 if end_of_epoch or (save_every and step % save_every == 0):
                     if group.is_main:
                         _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
                                          {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
                     group.barrier()
     wall = time.monotonic() - t0
-    after = evaluate(model, head, data, probe, int(hp["row_tokens"]), steps_k, decay, dtype, device)
+    after = measure(data, probe, labels, str(hp["loss_on"]))
+    final_held = measure(held[0], held[2], held[1]) if held is not None and group.is_main else None
     model_dir = out / "model"
     if not group.is_main:
         return
@@ -309,6 +448,11 @@ def run(workdir: str, args: dict, reporter) -> None:
         "probe_acc_0_before": round(before[1][0], 5) if before[1] else None,
         "probe_acc_0_after": round(after[1][0], 5) if after[1] else None,
         "probe_simulated_acceptance_length": round(simulated_acceptance_length(after[1]), 4),
+        "probe_acceptance_length_k3": round(1 + sum(after[2][:3]), 4),
+        "bf16_compute": bf16,
+        **({"heldout_acceptance_length_k3": round(1 + sum(final_held[2][:3]), 4),
+            **{f"heldout_accept_{i}": round(a, 4) for i, a in enumerate(final_held[2])},
+            "heldout_curve": heldout_curve} if final_held else {}),
         **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
         **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
         "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},

@@ -106,9 +106,10 @@ def plan_batches(n_refs: list[int], epoch: int, seed: int, row_tokens: int, rows
     return batches
 
 
-def collate(data: ShardSet, rows: list[list[int]], row_tokens: int) -> dict[str, torch.Tensor]:
+def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list | None = None) -> dict[str, torch.Tensor]:
     """Pack rows into [B, T] tensors; `doc` numbers the samples in a row (-1 = padding), `pos` restarts at 0
-    for each sample, as the engines' positions do."""
+    for each sample, as the engines' positions do. `labels` (per sample) add `t_draft`."""
+    row_ids = rows
     samples = [[data.read(data.refs[i]) for i in row] for row in rows]
     T = min(row_tokens, max(sum(min(s["input_ids"].shape[0], row_tokens) for s in row) for row in samples))
     B = len(rows)
@@ -117,6 +118,8 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int) -> dict[str,
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
            "aux": torch.zeros(B, T, h3, dtype=first["aux"].dtype), "final": torch.zeros(B, T, h, dtype=first["final"].dtype),
            "doc": torch.full((B, T), -1, dtype=torch.long), "pos": torch.zeros(B, T, dtype=torch.long)}
+    if labels is not None:
+        out["t_draft"] = torch.full((B, T), -1, dtype=torch.long)
     for b, row in enumerate(samples):
         o = 0
         for d, s in enumerate(row):
@@ -129,5 +132,7 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int) -> dict[str,
             out["final"][b, o:o + ln] = s["final"][:ln]
             out["doc"][b, o:o + ln] = d
             out["pos"][b, o:o + ln] = torch.arange(ln)
+            if labels is not None:
+                out["t_draft"][b, o:o + ln] = labels[row_ids[b][d]][:ln]
             o += ln
     return out
