@@ -33,6 +33,7 @@ def _ops_config(run_config: dict, assets: list[str]) -> dict:
 def materialize(args) -> int:
     warnings.filterwarnings("ignore", message=".*(preview|beta).*", category=Warning)
     instance = _instance()
+    import dagster as dg
     import yaml
 
     from .definitions import PREPARE_DATA, TRAIN_DRAFTER, defs
@@ -46,13 +47,14 @@ def materialize(args) -> int:
         preset = resources.files("eagle3_assets").joinpath("presets/embedded_cpu.yaml")
         run_config = yaml.safe_load(preset.read_text())
         print(f"==> no --config: using the embedded-default preset {preset.name}", flush=True)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
 
     def run(job: str, assets: list[str], partition: str | None = None, label: str = "") -> bool:
         print(f"==> {label or job}: {', '.join(assets)}", flush=True)
         res = defs.resolve_job_def(job).execute_in_process(
             instance=instance, partition_key=partition, raise_on_error=False,
             run_config=_ops_config(run_config, assets))
+        print(f"    ({time.monotonic() - t0:.0f} s since the start)", flush=True)
         if not res.success:
             print(f"{label or job} failed (run {res.run_id}): its log in the Dagster UI says why; after fixing, "
                   "rematerialize just that asset or partition", file=sys.stderr)
@@ -67,6 +69,10 @@ def materialize(args) -> int:
             return 1
     if not run("train_drafter", TRAIN_DRAFTER):
         return 1
+    export = instance.get_latest_materialization_event(dg.AssetKey("drafter_export"))
+    if export is not None:  # the figure the recipe's time budget is about: data to a servable drafter
+        print(f"==> from the start to a servable drafter (drafter_export): {export.timestamp - started:.0f} s",
+              flush=True)
     if not run("benchmark_serving", ["serving_benchmark"], "vllm", "serving_benchmark vllm"):
         return 1
     print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
