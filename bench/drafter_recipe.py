@@ -217,6 +217,7 @@ def heldout(w: Path, name: str, split_name: str) -> dict:
 
     from eagle3_assets.worker.checkpoint import load_drafter_dir
     from eagle3_assets.worker.drafter import Eagle3Drafter
+    from eagle3_assets.worker.shard_format import default_aux_layers
     from eagle3_assets.worker.target import load_config, text_config
     from eagle3_assets.worker.target_head import load_target_head
     from eagle3_assets.worker.train import autocast, bf16_compute, draft_index, evaluate, target_labels
@@ -230,7 +231,7 @@ def heldout(w: Path, name: str, split_name: str) -> dict:
     model.load_state_dict(weights, strict=False)
     d2t_ids, to_draft = draft_index(model)
     head.restrict(d2t_ids)
-    default = [1, 14, 26]
+    default = default_aux_layers(tc.num_hidden_layers)
     data = ShardSet([w / shards_for(w, split_name, None if cfg.aux_layer_ids == default else cfg.aux_layer_ids)],
                     tc.hidden_size)
     bf16 = bf16_compute("cpu")

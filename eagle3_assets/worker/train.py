@@ -298,10 +298,11 @@ def run(workdir: str, args: dict, reporter) -> None:
             reporter.log(f"draft layer initialised from target layer {layer}")
         except (ValueError, StageError) as e:  # e.g. an MoE target: its layers do not fit a dense draft layer
             reporter.log(f"draft layer initialised at random: target layer {layer} does not fit it ({e})", "warning")
+    scale = aux_rms_scale(data, tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
     if hp["aux_scale"] == "rms" and weights is None:
-        model.aux_scale.copy_(aux_rms_scale(data, tc.hidden_size))
+        model.aux_scale.copy_(scale)
     # noise relative to each aux layer's typical size
-    noise = (float(hp["noise_std"]) / aux_rms_scale(data, tc.hidden_size)).to(device) if hp["noise_std"] else None
+    noise = (float(hp["noise_std"]) / scale).to(device) if hp["noise_std"] else None
     model.to(device)
     head.to(device=device, dtype=dtype)
     for p in model.embed_tokens.parameters():
