@@ -92,13 +92,13 @@ def test_resume_after_a_kill_ends_with_identical_weights(trained):
 def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     """The recipe's switches do what they say, and held-out acceptance is measured per epoch."""
     from eagle3_assets.worker.target import load_config, text_config
-    from eagle3_assets.worker.target_head import load_target_head
+    from eagle3_assets.worker.target_head import load_target_head, load_target_layer
 
     target = trained.latest("target_model")["path"]
     args = {"target": target, "shards": ["hidden_states/shard-00000"], "eval_shards": ["hidden_states/shard-00001"],
             "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128,
             "rows_per_batch": 2, "train_lm_head": False, "loss_on": "all", "out": "drafter/frozen", "resume": False,
-            "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1}
+            "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1, "layer_lr": 0.0}
     cmd, env = _worker(trained.workdir, "train", args)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -115,6 +115,10 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     assert not torch.equal(w["norm.weight"].float(), head.norm_weight.float())
     assert torch.allclose(w["norm.weight"].float(), head.norm_weight.float(), rtol=0.1)
     assert not torch.equal(w["fc.weight"], torch.zeros_like(w["fc.weight"]))
+    # layer_lr 0: the decoder layer keeps the target layer's weights while fc and the norm train
+    layer29 = load_target_layer(Path(target), 29)
+    assert torch.equal(w["midlayer.mlp.down_proj.weight"], layer29["mlp.down_proj.weight"].float())
+    assert hp["layer_lr"] == 0.0
     # held out: one figure per epoch, chain acceptance can only shrink along the chain
     assert meta["heldout_curve"]["epoch"] == [1, 2]
     accept = [meta[f"heldout_accept_{i}"] for i in range(3)]

@@ -249,3 +249,44 @@ def test_lineage_history_and_the_regression_sensor_on_real_benchmarks(bench):
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert "training config:" in cli.stdout and '"run_name": "weak"' in cli.stdout
     assert "against the previous result: new checkpoint" in cli.stdout
+
+
+def _metadata(done) -> dict:
+    return json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+
+
+def test_a_two_layer_drafter_is_served_by_vllm_as_trained(built):
+    """A drafter with a second decoder layer (vLLM's `layers.1`): vLLM loads the export and computes what was
+    trained (its acceptance agrees with our offline speculation; a wiring or residual mismatch would not),
+    while the SGLang export is refused with the reason (SGLang's later layers drop the residual)."""
+    target = built.latest("target_model")["path"]
+    shards = [f"hidden_states/shard-{k}" for k in ("00000", "00001")]
+    done = _stage(built.workdir, "train", {"target": target, "shards": shards, "vocab": "vocab/vocab_mapping.safetensors",
+                                           "out": "drafter/two-layers", "resume": False, "num_layers": 2, "epochs": 40,
+                                           "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2,
+                                           "warmup_ratio": 0.0})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "draft layers initialised from target layers 28, 29" in done.stderr
+    refused = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
+                                               "out": "exports/two-layers-sglang", "dialects": ["sglang"]})
+    assert refused.returncode != 0 and "dialects: [vllm]" in refused.stderr and "residual" in refused.stderr
+    done = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
+                                            "out": "exports/two-layers", "dialects": ["vllm"]})
+    assert done.returncode == 0, done.stderr[-3000:]
+    export = built.workdir / "exports/two-layers/vllm"
+    assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == 2
+    common = {"target": target, "prompts": "prompts/train.parquet", "limit": PROMPTS["limit"],
+              "max_new_tokens": PROMPTS["max_new_tokens"], "num_speculative_tokens": 3, "dtype": "float32"}
+    done = _stage(built.workdir, "speculate", {**common, "drafter": "drafter/two-layers/model"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    offline = _metadata(done)
+    done = _stage(built.workdir, "serve_bench", {
+        **common, "engine": "vllm", "drafter": str(export), "out_dir": "benchmarks/two-layers",
+        "history": "benchmarks/two_layers_history.parquet", "concurrencies": [1], "baseline": False,
+        "max_model_len": 1024, "ready_timeout_s": 900, "trained_drafter": "drafter/two-layers/model"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = _metadata(done)
+    assert offline["output_matches_target_greedy"] is True
+    assert served["acceptance_length"] > 1.5, served  # it speculates, and the drafts land
+    assert served["acceptance_length"] >= 0.75 * offline["acceptance_length"], (served, offline)
+    assert _engine_processes("vllm.entrypoints.openai.api_server") == []

@@ -26,7 +26,15 @@ _ACCEPTED_ARCHS = {ARCH, "Eagle3LlamaForCausalLM"}
 def expected_tensors(c: DraftConfig) -> dict[str, list[int]]:
     H, I, d = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    later = {}  # layers after the first (vLLM's layers.{i}): plain Llama layers, H-wide attention input
+    for i in range(1, c.num_hidden_layers):
+        later.update({f"layers.{i}.input_layernorm.weight": [H], f"layers.{i}.post_attention_layernorm.weight": [H],
+                      f"layers.{i}.self_attn.q_proj.weight": [q, H], f"layers.{i}.self_attn.k_proj.weight": [kv, H],
+                      f"layers.{i}.self_attn.v_proj.weight": [kv, H], f"layers.{i}.self_attn.o_proj.weight": [H, q],
+                      f"layers.{i}.mlp.gate_proj.weight": [I, H], f"layers.{i}.mlp.up_proj.weight": [I, H],
+                      f"layers.{i}.mlp.down_proj.weight": [H, I]})
     return {
+        **later,
         "fc.weight": [H, 3 * c.target_hidden_size],
         "midlayer.input_layernorm.weight": [H],
         "midlayer.hidden_norm.weight": [H],
@@ -79,7 +87,7 @@ def config_dict(c: DraftConfig, dtype: str, max_positions: int) -> dict:
     cfg = {
         "architectures": [ARCH], "model_type": "llama", "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": c.num_hidden_layers,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
         "max_position_embeddings": max(c.max_position_embeddings, max_positions),
         "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
@@ -176,7 +184,8 @@ def load_drafter_dir(d: Path, tc) -> tuple[DraftConfig, dict[str, torch.Tensor]]
                     rope_theta=float(cfg.get("rope_theta", 10000.0)),
                     max_position_embeddings=cfg.get("max_position_embeddings", tc.max_position_embeddings),
                     vocab_size=tc.vocab_size, draft_vocab_size=cfg.get("draft_vocab_size") or tc.vocab_size,
-                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers))
+                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers),
+                    num_hidden_layers=int(cfg.get("num_hidden_layers") or 1))
     w = _normalize_names(_read_weights(d))
     if "t2d" not in w and "d2t" in w:  # ModelOpt exports omit t2d; it follows from d2t
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)

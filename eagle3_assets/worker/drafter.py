@@ -2,8 +2,9 @@
 
 `fc` projects the target's 3 aux hidden states (3·H_target) to H; one decoder layer whose attention reads
 [input_layernorm(token embedding), hidden_norm(hidden)] (2H wide), with the pre-norm hidden as residual;
-`norm`; `lm_head` over the draft vocab. Token embeddings are the target's, frozen, and never exported.
-Parameter names are the SGLang/SpecForge ones (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`).
+optionally more plain Llama layers after it (vLLM's `layers.{i}`, i >= 1); `norm`; `lm_head` over the draft
+vocab. Token embeddings are the target's, frozen, and never exported. Parameter names are the SGLang/SpecForge
+ones (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`), and vLLM's `layers.{i}.*` for the later layers.
 
 Attention over a training-time-test unroll: step 0 is causal over the sequence; a query at step i ≥ 1 and
 position t sees step-0 keys at positions ≤ t (same document) and its own chain's keys of steps 1..i at t.
@@ -33,6 +34,7 @@ class DraftConfig:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: list[int] = field(default_factory=list)  # output-of-layer convention
+    num_hidden_layers: int = 1  # the first reads [embedding, hidden] (2H); the rest are plain Llama layers
 
     @classmethod
     def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
@@ -80,13 +82,13 @@ def apply_rotary(x, cos, sin):  # x: [B, heads, T, D]; cos/sin: [B, T, D]
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DraftConfig, in_size: int):
         super().__init__()
         self.c = c
         d, h, kv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        self.q_proj = nn.Linear(2 * c.hidden_size, h * d, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, kv * d, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, kv * d, bias=False)
+        self.q_proj = nn.Linear(in_size, h * d, bias=False)
+        self.k_proj = nn.Linear(in_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(in_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: list, mask0):
@@ -144,7 +146,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -155,6 +157,21 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DecoderLayer(nn.Module):
+    """A draft layer after the first (vLLM's `layers.{i}`, i >= 1): a plain pre-norm Llama layer."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, c.hidden_size)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, hidden, cos, sin, cache, mask):
+        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, c: DraftConfig, embed_weight: torch.Tensor):
         super().__init__()
@@ -162,6 +179,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c) for i in range(1, c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -178,7 +196,14 @@ class Eagle3Drafter(nn.Module):
     def step(self, input_ids, hidden, positions, cache, mask):
         """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden)."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
-        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache, mask)
+        if not self.layers:
+            return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache, mask)
+        if not cache:  # one key/value list per layer
+            cache.extend([] for _ in range(1 + len(self.layers)))
+        h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask)
+        for i, layer in enumerate(self.layers.values(), 1):
+            h = layer(h, cos, sin, cache[i], mask)
+        return h
 
     def logits(self, hidden):
         return self.lm_head(self.norm(hidden))
@@ -202,6 +227,15 @@ def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
     same = (doc[:, :, None] == doc[:, None, :]) & causal
     eye = torch.eye(T, dtype=torch.bool, device=doc.device)
     return (same | ((doc < 0)[:, :, None] & eye))[:, None]
+
+
+def init_extra_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor]) -> None:
+    """A later draft layer is a plain Llama layer: the target layer's weights as they are."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name not in weights or weights[name].shape != p.shape:
+                raise ValueError(f"target layer has no {name} of shape {tuple(p.shape)}")
+            p.copy_(weights[name].float())
 
 
 def init_from_target_layer(model: "Eagle3Drafter", layer: dict[str, torch.Tensor]) -> None:

@@ -79,6 +79,12 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
     from safetensors.torch import save_file
 
     c, w = load_drafter_dir(src, tc)
+    if dialect == "sglang" and c.num_hidden_layers > 1:
+        # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
+        # residual it is passed, so layers after the first compute another function than the one trained
+        raise StageError(f"{src} has {c.num_hidden_layers} draft layers; SGLang's later EAGLE-3 layers drop the "
+                         "residual stream and would compute another function than the one trained. Export it for "
+                         "vllm only (dialects: [vllm]), or train with num_layers 1 to serve on SGLang")
     cfg = config_dict(c, "bfloat16", tc.max_position_embeddings)
     cfg.update(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers))
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in w.items()}

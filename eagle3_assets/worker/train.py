@@ -34,11 +34,11 @@ from .train_data import ShardSet, collate, plan_batches
 
 TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
               "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale", "noise_std",
-              "weight_decay", "init_layer", "loss")
+              "weight_decay", "init_layer", "loss", "layer_lr", "num_layers")
 DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_steps=7, row_tokens=2048,
                 rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0, loss_on="all",
                 train_lm_head=True, init_head="target", precision="auto", aux_scale="none", noise_std=0.0,
-                weight_decay=0.0, init_layer=-1, loss="soft")
+                weight_decay=0.0, init_layer=-1, loss="soft", layer_lr=1.0, num_layers=1)
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -274,6 +274,10 @@ def run(workdir: str, args: dict, reporter) -> None:
                              "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
         data = ShardSet(shard_dirs, tc.hidden_size)
         cfg = DraftConfig.from_target(tc, d2t.shape[0], data.aux_layer_ids)
+        if not 1 <= int(hp["num_layers"]) <= tc.num_hidden_layers:
+            raise StageError(f"num_layers must be between 1 and the target's {tc.num_hidden_layers} layers, got "
+                             f"{hp['num_layers']}")
+        cfg.num_hidden_layers = int(hp["num_layers"])
         weights = None
 
     model = Eagle3Drafter(cfg, head.embed.float())
@@ -289,15 +293,21 @@ def run(workdir: str, args: dict, reporter) -> None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
     if hp["init_layer"] is not None and weights is None:
-        from .drafter import init_from_target_layer
+        from .drafter import init_extra_layer, init_from_target_layer
         from .target_head import load_target_layer
 
-        layer = int(hp["init_layer"]) % tc.num_hidden_layers  # -1: the last
+        # the draft's n layers from n consecutive target layers ending at init_layer (-1: the last)
+        last = int(hp["init_layer"]) % tc.num_hidden_layers
+        first = last - len(model.layers)
         try:
-            init_from_target_layer(model, load_target_layer(target, layer))
-            reporter.log(f"draft layer initialised from target layer {layer}")
+            init_from_target_layer(model, load_target_layer(target, first))
+            for i, extra in enumerate(model.layers.values(), 1):
+                init_extra_layer(extra, load_target_layer(target, first + i))
+            reporter.log(f"draft layer initialised from target layer {last}" if first == last else
+                         f"draft layers initialised from target layers {', '.join(map(str, range(first, last + 1)))}")
         except (ValueError, StageError) as e:  # e.g. an MoE target: its layers do not fit a dense draft layer
-            reporter.log(f"draft layer initialised at random: target layer {layer} does not fit it ({e})", "warning")
+            reporter.log(f"draft layers initialised at random: target layers {first}..{last} do not fit ({e})",
+                         "warning")
     scale = aux_rms_scale(data, tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
     if hp["aux_scale"] == "rms" and weights is None:
         model.aux_scale.copy_(scale)
@@ -328,7 +338,11 @@ def run(workdir: str, args: dict, reporter) -> None:
     steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
     total_steps = sum(len(p) for p in steps_of)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]))
+    # layer_lr scales the decoder layer's learning rate: started from the target's, it may need less change
+    layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
+    groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": float(hp["lr"])},
+              {"params": [p for p in params if id(p) in layer_ids], "lr": float(hp["lr"]) * float(hp["layer_lr"])}]
+    opt = torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
 
     # A checkpoint only resumes the run it belongs to: same data, same settings.
