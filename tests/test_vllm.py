@@ -268,8 +268,9 @@ def test_a_two_layer_drafter_is_served_by_vllm_as_trained(built):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "draft layers initialised from target layers 28, 29" in done.stderr
     refused = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
-                                               "out": "exports/two-layers-sglang", "dialects": ["sglang"]})
+                                               "out": "exports/two-layers-both", "dialects": ["vllm", "sglang"]})
     assert refused.returncode != 0 and "dialects: [vllm]" in refused.stderr and "residual" in refused.stderr
+    assert not (built.workdir / "exports/two-layers-both").exists()  # refused before either dialect is written
     done = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
                                             "out": "exports/two-layers", "dialects": ["vllm"]})
     assert done.returncode == 0, done.stderr[-3000:]

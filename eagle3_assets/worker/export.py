@@ -13,7 +13,7 @@ import torch
 
 from .checkpoint import ARCH, config_dict, load_drafter_dir, weights_hash
 from .errors import StageError
-from .files import replace_dir, resolve
+from .files import replace_dir, require_file, resolve
 from .shard_format import default_aux_layers
 from .target import load_config, text_config
 
@@ -79,12 +79,6 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
     from safetensors.torch import save_file
 
     c, w = load_drafter_dir(src, tc)
-    if dialect == "sglang" and c.num_hidden_layers > 1:
-        # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
-        # residual it is passed, so layers after the first compute another function than the one trained
-        raise StageError(f"{src} has {c.num_hidden_layers} draft layers; SGLang's later EAGLE-3 layers drop the "
-                         "residual stream and would compute another function than the one trained. Export it for "
-                         "vllm only (dialects: [vllm]), or train with num_layers 1 to serve on SGLang")
     cfg = config_dict(c, "bfloat16", tc.max_position_embeddings)
     cfg.update(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers))
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in w.items()}
@@ -107,6 +101,14 @@ def run(workdir: str, args: dict, reporter) -> None:
     unknown = [x for x in dialects if x not in DIALECTS]
     if unknown:
         raise StageError(f"unknown export dialects {unknown}; choose from {list(DIALECTS)}")
+    layers = int(json.loads(require_file(src / "config.json", "drafter config", "train the drafter first")
+                            .read_text()).get("num_hidden_layers") or 1)
+    if "sglang" in dialects and layers > 1:  # checked before any dialect is written
+        # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
+        # residual it is passed, so layers after the first compute another function than the one trained
+        raise StageError(f"{src} has {layers} draft layers; SGLang's later EAGLE-3 layers drop the residual "
+                         "stream and would compute another function than the one trained. Export it for vllm "
+                         "only (dialects: [vllm]), or train with num_layers 1 to serve on SGLang")
     meta = {}
     for dialect in dialects:
         info = write_export(src, out / dialect, dialect, tc)

@@ -257,8 +257,9 @@ def run(workdir: str, args: dict, reporter) -> None:
     if init:
         init_dir = resolve(workdir, init)
         cfg, weights = load_drafter_dir(init_dir, tc)
-        reporter.log(f"finetuning {init_dir}: its draft vocab ({cfg.draft_vocab_size}) and aux layers "
-                     f"{cfg.aux_layer_ids} are reused")
+        reporter.log(f"finetuning {init_dir}: its draft vocab ({cfg.draft_vocab_size}), aux layers "
+                     f"{cfg.aux_layer_ids} and {cfg.num_hidden_layers} draft layer(s) are reused")
+        hp["num_layers"] = cfg.num_hidden_layers  # what is trained, in the metadata and the resume fingerprint
         data = ShardSet(shard_dirs, tc.hidden_size, cfg.aux_layer_ids)
     else:
         from safetensors.torch import load_file
@@ -299,6 +300,10 @@ def run(workdir: str, args: dict, reporter) -> None:
         # the draft's n layers from n consecutive target layers ending at init_layer (-1: the last)
         last = int(hp["init_layer"]) % tc.num_hidden_layers
         first = last - len(model.layers)
+        if first < 0:
+            raise StageError(f"init_layer {hp['init_layer']} leaves no room for {cfg.num_hidden_layers} draft layers "
+                             f"before it: use an init_layer of at least {cfg.num_hidden_layers - 1}, or -1")
+        at_random = {k: v.clone() for k, v in model.state_dict().items()}
         try:
             init_from_target_layer(model, load_target_layer(target, first))
             for i, extra in enumerate(model.layers.values(), 1):
@@ -306,6 +311,7 @@ def run(workdir: str, args: dict, reporter) -> None:
             reporter.log(f"draft layer initialised from target layer {last}" if first == last else
                          f"draft layers initialised from target layers {', '.join(map(str, range(first, last + 1)))}")
         except (ValueError, StageError) as e:  # e.g. an MoE target: its layers do not fit a dense draft layer
+            model.load_state_dict(at_random)  # all at random, not half from the target
             reporter.log(f"draft layers initialised at random: target layers {first}..{last} do not fit ({e})",
                          "warning")
     scale = aux_rms_scale(data, tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
@@ -338,7 +344,8 @@ def run(workdir: str, args: dict, reporter) -> None:
     steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
     total_steps = sum(len(p) for p in steps_of)
     params = [p for p in model.parameters() if p.requires_grad]
-    # layer_lr scales the decoder layer's learning rate: started from the target's, it may need less change
+    # layer_lr scales the decoder layers' learning rate (their norms too): started from the target's last
+    # layer they must move further than fc, the final norm and lm_head (measured best at 3x)
     layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
     groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": float(hp["lr"])},
               {"params": [p for p in params if id(p) in layer_ids], "lr": float(hp["lr"]) * float(hp["layer_lr"])}]
