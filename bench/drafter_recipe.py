@@ -112,6 +112,8 @@ for _name, _change in CHANGES.items():
 DESCRIBE = {
     **{n: "r1_best + " + ", ".join(f"{k}={v}" for k, v in c.items()) for n, c in CHANGES.items()},
     "r1_best": "round one's best: lr_6e-4 + target-layer init + trained lm_head + loss on all tokens, 10 epochs",
+    "n100": "r1_best on the first 100 training prompts (code and maths only: superseded by random subsets)",
+    "n200": "r1_best on the first 200 training prompts (no writing, advice, trivia: superseded)",
     "shipped": "the preset: r1_best + decoder layer at 3x the lr (layer_lr 3), 15 epochs",
     "reference": "speculators-like: 6 epochs, lr 1e-4, frozen lm_head, 8192 tokens/step",
     "small_batches": "1024 tokens/step (8x the optimizer steps)",
