@@ -78,7 +78,7 @@ def _shipped() -> dict:
 
 RECIPES["shipped"] = _shipped()
 
-# Round two (`sweep`, on a GPU host): one change at a time on top of r1_best, then the winners combined.
+# Round two (on a GPU host, `ablate --parallel`): one change at a time on top of r1_best.
 CHANGES: dict[str, dict] = {
     "epochs_20": dict(epochs=20), "epochs_40": dict(epochs=40),
     "vocab_16k_s": dict(draft_vocab_size=16384), "vocab_32k": dict(draft_vocab_size=32768),
@@ -246,7 +246,7 @@ def shards_for(w: Path, split_name: str, aux_layers: list[int] | None) -> str:
     return f"{out}/shard-00000"
 
 
-def train(w: Path, name: str, hp: dict, vocab_only: bool = False) -> dict:
+def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
     info = json.loads((w / "prepared.json").read_text())
     vocab = "vocab/vocab_mapping.safetensors"
     if hp.get("draft_vocab_size", 8192) != 8192:
@@ -256,12 +256,11 @@ def train(w: Path, name: str, hp: dict, vocab_only: bool = False) -> dict:
                                "draft_vocab_size": hp["draft_vocab_size"]})
     aux = hp.get("aux_layers")
     train_split = subset(w, int(hp["train_prompts"]), hp.get("subset", "first")) if hp.get("train_prompts") else "train"
-    if vocab_only:
-        shards_for(w, train_split, aux)
+    train_shards, dev_shards = shards_for(w, train_split, aux), shards_for(w, "dev", aux)
+    if inputs_only:
         return {}
     args = {k: v for k, v in hp.items() if k not in ("draft_vocab_size", "aux_layers", "train_prompts", "subset")}
-    meta, res = stage(w, "train", {"target": info["target"], "shards": [shards_for(w, train_split, aux)],
-                                   "eval_shards": [shards_for(w, "dev", aux)],
+    meta, res = stage(w, "train", {"target": info["target"], "shards": [train_shards], "eval_shards": [dev_shards],
                                    "vocab": vocab, "out": f"drafters/{name}", "resume": False, **args})
     row = {"step": "ablate", "recipe": name, "settings": hp,
            "dev_acceptance_length": meta["heldout_acceptance_length_k3"],
@@ -377,13 +376,10 @@ def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = F
     measured with the same settings on this kind of device is not trained again unless `force`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    # extra vocab / aux-layer shards first, once, so that concurrent runs do not race to make them
-    for hp in named.values():
-        if hp.get("aux_layers"):
-            for split_name in ("train", "dev", "test"):
-                shards_for(w, split_name, hp["aux_layers"])
+    # each recipe's inputs (vocab, subsets, other aux layers) first, one at a time: concurrent runs must not
+    # race to make them
     for name, hp in named.items():
-        train(w, name, dict(hp), vocab_only=True)
+        train(w, name, dict(hp), inputs_only=True)
     done = {} if force else {n: r for n, r in measured().items() if n in named and r["settings"] == named[n]}
     for n, r in done.items():
         print(f"{n}: measured on {r['at']} (dev AL {r['dev_acceptance_length']}); --force trains it again",

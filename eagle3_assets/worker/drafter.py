@@ -193,12 +193,11 @@ class Eagle3Drafter(nn.Module):
         """fc over the 3 aux hidden states: the draft's hidden state for step 0."""
         return self.fc(aux * self.aux_scale.to(aux.dtype))
 
-    def step(self, input_ids, hidden, positions, cache, mask):
-        """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden)."""
+    def step(self, input_ids, hidden, positions, cache: list, mask):
+        """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden). Pass the
+        same `cache` (an empty list at the first step) to every step of one unroll."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
-        if not self.layers:
-            return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache, mask)
-        if not cache:  # one key/value list per layer
+        if not cache:  # `cache` starts empty: one key/value list per layer, filled step by step
             cache.extend([] for _ in range(1 + len(self.layers)))
         h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask)
         for i, layer in enumerate(self.layers.values(), 1):
