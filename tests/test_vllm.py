@@ -11,8 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -168,11 +170,16 @@ def test_server_dying_mid_load_fails_clearly_and_leaves_no_process(overfit, tmp_
                 return
             time.sleep(0.2)
 
+    # Enough requests (~1.5 s each here) that the kill lands mid-load however late the watcher gets to run:
+    # with only the 6 training prompts, a slow poll once saw the first measured request after the last one.
+    rows = pq.read_table(Path(graph.workdir) / "prompts" / "train.parquet").to_pylist()
+    many = tmp_path / "many.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "id": f"{r['id']}-{i}"} for i in range(8) for r in rows]), many)
     watcher = threading.Thread(target=kill_after_first_measured_request)
     watcher.start()
     done = _stage(graph.workdir, "serve_bench", {
         "engine": "vllm", "target": graph.latest("target_model")["path"],
-        "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": "prompts/train.parquet",
+        "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": str(many),
         "out_dir": str(out), "history": str(tmp_path / "h.parquet"), "dtype": "float32", "max_model_len": 1024,
         "concurrencies": [1], "baseline": False, "max_new_tokens": 64})
     watcher.join()
