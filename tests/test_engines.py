@@ -70,7 +70,7 @@ def test_vllm_acceptance_from_two_metrics_scrapes():
     def scrape(drafts, drafted, accepted, per_pos):
         lines = ["# TYPE vllm:spec_decode_num_drafts counter",
                  f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="target"}} {drafts}',
-                 f'vllm:spec_decode_num_drafts_created{{engine="0",model_name="target"}} 1.7e9',
+                 'vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7e9',
                  f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="target"}} {drafted}',
                  f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="target"}} {accepted}']
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="target",position="{i}"}} {v}'

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import dagster as dg
-import pytest
 
 from conftest import failure_text
 from eagle3_assets.hosts import SshGpuHost
