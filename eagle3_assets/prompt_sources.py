@@ -188,12 +188,23 @@ def humaneval() -> list[Conversation]:
 
 
 def split(convs: list, eval_fraction: float, max_train: int | None = None) -> tuple[list, list]:
-    """(train, eval) by `is_eval`; a tiny set still gets an eval conversation; train capped at `max_train`."""
+    """(train, eval) by `is_eval`; a tiny set still gets an eval conversation; train capped at `max_train`
+    by `cap`, a sample across the whole file rather than its head."""
     train = [c for c in convs if not is_eval(c.key, eval_fraction)]
     evals = [c for c in convs if is_eval(c.key, eval_fraction)]
     if eval_fraction > 0 and not evals and len(train) > 1:
         evals.append(train.pop())
-    return (train if max_train is None else train[:max_train]), evals
+    return (train if max_train is None else cap(train, max_train)), evals
+
+
+def cap(convs: list, n: int) -> list:
+    """The `n` conversations ranked first by a second slice of their hash, in file order. The head of a
+    file would be one source or one category of a concatenated set; this is a uniform sample, and a stable
+    one: adding prompts never swaps out a kept one for an old one."""
+    if len(convs) <= n:
+        return list(convs)
+    kept = set(sorted(range(len(convs)), key=lambda i: convs[i].key[8:16])[:n])
+    return [c for i, c in enumerate(convs) if i in kept]
 
 
 def is_eval(key: str, fraction: float) -> bool:

@@ -68,6 +68,11 @@ def test_single_turn_set_gives_the_recipe_400_training_prompts_and_a_disjoint_he
     assert cats == {"code", "maths", "explanations", "writing", "advice", "trivia"}
     train, held = split(convs, 0.25, 400)
     assert len(train) == 400 and len(held) >= 100
+    # the file is ordered by category: the cap samples across it, not its head (which dropped only trivia)
+    uncapped = split(convs, 0.25)[0]
+    for cat in cats:
+        share = sum(c.id.split("-")[1] == cat for c in train) / 400
+        assert abs(share - sum(c.id.split("-")[1] == cat for c in uncapped) / len(uncapped)) < 0.02, cat
     assert not {c.key for c in train} & {c.key for c in held}
     bundled = {c.key for c in _load("bundled")[0]}
     assert not bundled & {c.key for c in convs}  # no prompt of the other shipped set reappears
@@ -78,6 +83,18 @@ def test_split_is_stable_when_prompts_are_added():
     before = {c.key for c in convs[:150] if is_eval(c.key, 0.1)}
     after = {c.key for c in convs if is_eval(c.key, 0.1)}
     assert before and before <= after  # adding prompts never moves an eval prompt into training
+
+
+def test_capped_training_split_is_stable_when_prompts_are_added():
+    from eagle3_assets.prompt_sources import cap
+
+    convs, _ = _load("bundled")
+    before = {c.key for c in cap(convs[:150], 40)}
+    after = {c.key for c in cap(convs, 40)}
+    assert len(before) == len(after) == 40
+    old_kept_after = {c.key for c in convs[:150]} & after
+    assert old_kept_after <= before  # an added prompt may take a place; an old prompt never swaps in
+    assert [c.key for c in cap(convs, 40)] == [c.key for c in convs if c.key in after]  # file order kept
 
 
 def test_prompts_asset_deduplicates_across_sources(graph, tmp_path):
