@@ -180,8 +180,17 @@ def splits() -> dict[str, list]:
             "test": [c for c, s in zip(held, second) if s == 1]}
 
 
+def train_set_id(convs: list) -> str:
+    """Which training prompts a figure was measured on (ablation rows before this field: the first 400 of
+    the 432 in file order, as `split` capped them then)."""
+    return hashlib.sha256("".join(sorted(c.key for c in convs)).encode()).hexdigest()[:12]
+
+
 def prepare(w: Path, backend: str, target: str | None = None) -> None:
-    """Every step; regenerations already in the workdir are kept (copied from another machine, say)."""
+    """Every step. Regenerations already in the workdir are kept (copied from another machine, say) while
+    they hold the split's prompts; when the training split changed, what was derived from it goes too."""
+    import shutil
+
     import pyarrow.parquet as pq
 
     timings = {}
@@ -189,9 +198,16 @@ def prepare(w: Path, backend: str, target: str | None = None) -> None:
     target = res["path"]
     timings["prepare_target"] = res["_wall_s"]
     (w / "prompts").mkdir(parents=True, exist_ok=True)
-    for name, convs in splits().items():
-        if (w / "conversations" / f"{name}.parquet").exists():
+    parts = splits()
+    for name, convs in parts.items():
+        path = w / "conversations" / f"{name}.parquet"
+        if path.exists() and sorted(pq.read_table(path, columns=["id"])["id"].to_pylist()) == sorted(c.id for c in convs):
             continue
+        if path.exists() and name == "train":  # subsets, their hidden states, other vocab sizes
+            for old in [*(w / "conversations").glob("train-*.parquet"), *(w / "vocab").glob("vocab_*.safetensors")]:
+                old.unlink()
+            for old in (w / "hidden_states").glob("train-*"):
+                shutil.rmtree(old)
         from eagle3_assets.assets.prompts import _table
 
         pq.write_table(_table(convs), w / "prompts" / f"{name}.parquet")
@@ -209,7 +225,8 @@ def prepare(w: Path, backend: str, target: str | None = None) -> None:
     _, res = stage(w, "vocab", {"target": target, "conversations": "conversations/train.parquet",
                                 "out": "vocab/vocab_mapping.safetensors", "draft_vocab_size": 8192})
     timings["vocab"] = res["_wall_s"]
-    (w / "prepared.json").write_text(json.dumps({"target": target, "timings": timings}, indent=2))
+    (w / "prepared.json").write_text(json.dumps({"target": target, "train_set": train_set_id(parts["train"]),
+                                                 "timings": timings}, indent=2))
     print(json.dumps(timings, indent=2))
 
 
@@ -267,7 +284,7 @@ def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
            "dev_per_position": [meta[f"heldout_accept_{i}"] for i in range(3)],
            "dev_curve": meta["heldout_curve"]["acceptance_length"],
            "train_wall_s": meta["wall_s"], "tokens_per_s": meta["tokens_per_s"], "stage_wall_s": res["_wall_s"],
-           "device": meta["device"]}
+           "device": meta["device"], "train_set": info.get("train_set")}
     record(row)
     print(json.dumps(row))
     return row
@@ -327,8 +344,9 @@ def serve(w: Path, name: str, limit: int | None, speculate: bool) -> dict:
                                         "out_dir": f"serving/{name}", "history": "serving/history.parquet",
                                         "concurrencies": [1], "baseline": False, "dtype": "bfloat16",
                                         "max_model_len": 2048, "prompt_set": "test", "checkpoint": name})
-    tf, first = heldout(w, name, "test"), heldout(w, name, "test", 128)
+    tf, first, dev = heldout(w, name, "test"), heldout(w, name, "test", 128), heldout(w, name, "dev")
     row = {"step": "serve", "recipe": name, "prompts": meta.get("requests"),
+           "dev_acceptance_length": dev["acceptance_length"], "dev_per_position": dev["per_position"],
            "teacher_forced_acceptance_length": tf["acceptance_length"], "teacher_forced_per_position": tf["per_position"],
            "teacher_forced_first_128_acceptance_length": first["acceptance_length"],
            "vllm_acceptance_length": meta["acceptance_length"], "vllm_per_position": meta["acceptance_per_pos"]}
@@ -350,12 +368,15 @@ def table() -> str:
     out = ["Dev: teacher-forced chain acceptance length at k=3 on the 74 dev prompts' replies (the figure the "
            "recipe was tuned on). Round one ran on this CPU: the first three changes build on each other, the rest "
            "each on lr_6e-4. Later rounds ran on one H200, each change on r1_best (train s: that device's, 8-11 runs "
-           "at once).", "",
-           "| recipe | change | dev AL (k=3) | dev per position | device | train s |", "|---|---|---|---|---|---|"]
+           "at once). Train prompts: `head`, the first 400 training prompts in file order (how the cap took them then), "
+           "or the id of the sampled set (`train_set_id`).", "",
+           "| recipe | change | dev AL (k=3) | dev per position | device | train s | train prompts |",
+           "|---|---|---|---|---|---|---|"]
     for name in [n for n in RECIPES if n in ablate]:
         r = ablate[name]
         out.append(f"| {name} | {DESCRIBE.get(name, '')} | {r['dev_acceptance_length']:.3f} | "
-                   f"{fmt(r['dev_per_position'])} | {r.get('device', 'cpu')} | {r['train_wall_s']:.0f} |")
+                   f"{fmt(r['dev_per_position'])} | {r.get('device', 'cpu')} | {r['train_wall_s']:.0f} | "
+                   f"{r.get('train_set') or 'head'} |")
     out += ["", "Test (54 prompts never tuned on): vLLM and our offline speculation, k=3, greedy, 128 new tokens; "
             "teacher-forced on the regenerated replies, all of them and their first 128 tokens.", "",
             "| recipe | vLLM AL (test, k=3) | vLLM per position | offline AL | offline per position | "
@@ -380,7 +401,7 @@ def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = F
     # race to make them
     for name, hp in named.items():
         train(w, name, dict(hp), inputs_only=True)
-    done = {} if force else {n: r for n, r in measured().items() if n in named and r["settings"] == named[n]}
+    done = {} if force else {n: r for n, r in measured(w).items() if n in named and r["settings"] == named[n]}
     for n, r in done.items():
         print(f"{n}: measured on {r['at']} (dev AL {r['dev_acceptance_length']}); --force trains it again",
               file=sys.stderr)
@@ -390,13 +411,16 @@ def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = F
     return done
 
 
-def measured() -> dict[str, dict]:
-    """The latest ablation row of each recipe on this kind of device (GPU and CPU runs are not mixed)."""
+def measured(w: Path) -> dict[str, dict]:
+    """The latest ablation row of each recipe on this kind of device (GPU and CPU runs are not mixed) and
+    the workdir's training prompts."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    train_set = json.loads((w / "prepared.json").read_text()).get("train_set")
     rows = [json.loads(x) for x in LOG.read_text().splitlines()] if LOG.exists() else []
-    return {r["recipe"]: r for r in rows if r["step"] == "ablate" and r.get("device", "cpu") == device}
+    return {r["recipe"]: r for r in rows if r["step"] == "ablate" and r.get("device", "cpu") == device
+            and r.get("train_set") == train_set}
 
 
 def main() -> None:
