@@ -66,8 +66,7 @@ def test_conversations_are_the_targets_own_greedy_replies(built, target):
     i = next(k for k, m in enumerate(first) if m["role"] == "assistant")
     prompt = tok.apply_chat_template(first[:i], tokenize=False, add_generation_prompt=True)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
-    model_bf16 = AutoModelForCausalLM.from_pretrained(built.latest("target_model")["path"], dtype=torch.bfloat16)
-    out = model_bf16.generate(**enc, max_new_tokens=12, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=12, do_sample=False)  # the same float32 as the fixture's batch
     expected = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert first[i]["content"] == expected
     meta = built.latest("conversations")
