@@ -14,6 +14,7 @@ import dagster as dg
 import pytest
 import requests
 
+pytestmark = pytest.mark.slow  # the whole main command, vLLM included
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = """
 ops:

