@@ -27,7 +27,7 @@ class ConversationsConfig(dg.Config):
     max_prompt_tokens: int = Field(default=2048, description="a conversation whose history grows past this ends there")
     limit: Optional[int] = Field(default=None, description="regenerate only the first N training conversations")
     samples_per_shard: int = Field(default=64, description="conversations per hidden_state_shards partition")
-    dtype: str = "bfloat16"
+    dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
 
 
 @dg.asset(group_name="data", kinds={"pytorch", "parquet"}, deps=["target_model", "prompts"], pool="gpu_host",

@@ -11,6 +11,10 @@ class HostPreflightConfig(dg.Config):
     gpus: Optional[bool] = Field(default=None, description="require GPUs (nvidia-smi must list one); empty: the "
                                                            "host's require_gpus")
     hidden_states_dtype: str = Field(default="bfloat16", description="dtype the shards will be extracted in")
+    engines: list[str] = Field(default=[], description="engine checks against the current target, each "
+                               "'<engine>:<purpose>': vllm:extract (hidden_state_shards backend vllm), "
+                               "vllm:serve, sglang:serve; asked of the installed engine's own code")
+    engine_python: Optional[str] = Field(default=None, description="the host Python the engines are installed in")
 
 
 def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int | None:
@@ -24,6 +28,30 @@ def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int
     return int(found["conversations"]["total_tokens"]) * bytes_per_token(int(found["target_model"]["hidden_size"]), dtype)
 
 
+def check_engines(context: dg.AssetExecutionContext, gpu_host: GpuHost, config: HostPreflightConfig) -> dict:
+    """Each configured engine check, run on the host against the current target: its version and answer in
+    metadata; a Failure naming every engine that cannot do its job (the stage would refuse later anyway)."""
+    ev = context.instance.get_latest_materialization_event(dg.AssetKey("target_model"))
+    if ev is None or ev.asset_materialization is None:
+        raise dg.Failure(description="engine checks need the target: materialize target_model first")
+    target = ev.asset_materialization.metadata["path"].value
+    out, failed = {}, []
+    for spec in config.engines:
+        engine, _, purpose = spec.partition(":")
+        try:
+            run = gpu_host.run_stage(context, "engine_check", {"engine": engine, "purpose": purpose or "serve",
+                                                               "target": target, "engine_python": config.engine_python})
+            out[f"{engine}_{purpose}_supported"] = True
+            out[f"{engine}_version"] = run.result.get("version", "")
+        except dg.Failure as e:
+            out[f"{engine}_{purpose}_supported"] = False
+            failed.append(f"{spec}: {e.description}")
+    if failed:
+        raise dg.Failure(description="the host's engines cannot do what is asked of them:\n- " + "\n- ".join(failed),
+                         allow_retries=False)
+    return out
+
+
 @dg.asset(group_name="host", kinds={"ssh"}, code_version="1")
 def host_preflight(context: dg.AssetExecutionContext, config: HostPreflightConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """Is the GPU host ready? It answers; its Python has the worker's dependencies and the control plane's
@@ -33,7 +61,9 @@ def host_preflight(context: dg.AssetExecutionContext, config: HostPreflightConfi
     need_gpus = gpu_host.require_gpus if config.gpus is None else config.gpus
     info = gpu_host.check(context, gpus=need_gpus, need_bytes=need)
     gpus = info.get("gpus") or []
+    engines = check_engines(context, gpu_host, config) if config.engines else {}
     return dg.MaterializeResult(metadata={
+        **engines,
         "hostname": info["hostname"],
         "python": info["python"],
         "executable": info["executable"],

@@ -34,7 +34,7 @@ class ServingBenchmarkConfig(dg.Config):
     max_new_tokens: int = Field(default=64, description="per request, as offline_acceptance's")
     num_speculative_tokens: int = 3
     concurrencies: list[int] = Field(default=[1, 8], description="requests in flight, one measurement each")
-    dtype: str = "bfloat16"
+    dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
     max_model_len: int = 4096
     engine_python: Optional[str] = Field(default=None, description="the host Python with the engine installed "
                                                                     "(default: the worker's)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -44,8 +45,16 @@ def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
     return 0
 
 
+def _stop_on(sig: int, _frame) -> None:
+    # A cancel (Dagster's SIGTERM to the job's process group) or a lost terminal unwinds the stage like an
+    # error, so that its `with` blocks run: engine servers stop, temporary shards are removed.
+    raise SystemExit(128 + sig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on)
     if "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 

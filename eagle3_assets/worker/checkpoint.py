@@ -3,13 +3,14 @@ checkpoint (SpecForge/SGLang `midlayer.*`, speculators/vLLM `layers.0.*`) for a 
 
 The aux-layer-id conventions (the classic silent failure: acceptance collapses, no error):
 - ours, SpecForge and SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`: "output of layer i";
-- vLLM's `eagle_aux_hidden_state_layer_ids`: "capture before layer i" = ours + 1;
+- vLLM's and speculators' top-level `eagle_aux_hidden_state_layer_ids`: "capture before layer i" = ours + 1;
 - no ids at all: both engines capture (2, N//2, N-3) before-layer = ours [1, N//2-1, N-4].
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from .drafter import DraftConfig
 from .errors import StageError
 from .files import hash_files, replace_dir
 from .shard_format import LAYER_CONVENTION, default_aux_layers
+from .target import text_config
 
 ARCH = "LlamaForCausalLMEagle3"
 _ACCEPTED_ARCHS = {ARCH, "Eagle3LlamaForCausalLM"}
@@ -147,29 +149,111 @@ def _normalize_names(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def aux_ids_from_config(cfg: dict, target_layers: int) -> list[int]:
+# Where a checkpoint's config may name its aux layers, in lookup order: (field, whose convention, offset to ours).
+_ID_FIELDS = (
+    ("eagle3_assets.aux_layer_ids", "ours: output of layer i", 0),
+    ("eagle_config.eagle_aux_hidden_state_layer_ids", "SpecForge/SGLang: output of layer i", 0),
+    ("eagle_aux_hidden_state_layer_ids", "vLLM/speculators: capture before layer i", -1),
+)
+
+
+@dataclass
+class AuxIds:
+    """A checkpoint's aux layer ids: in our convention, and as its config writes them."""
+    ours: list[int]
+    field: str = ""  # "" = no ids in the config: the engines' defaults
+    written: list[int] | None = None
+    convention: str = "engine defaults: capture before layers (2, N//2, N-3)"
+    offset: int = 0  # ours = written + offset
+
+    def spelled(self, ours: list[int]) -> str:
+        """How this config's field would write `ours`."""
+        return f"{self.field} {[i - self.offset for i in ours]}" if self.field else "no ids, if they are the defaults"
+
+    def describe(self) -> str:
+        if not self.field:
+            return f"{self.ours} (output of layer i; its config names no layers, so the {self.convention})"
+        if self.written == self.ours:
+            return f"{self.ours} (its config's {self.field}, {self.convention})"
+        return f"{self.ours} in our output-of-layer numbering (its config's {self.field} says {self.written}, {self.convention})"
+
+
+def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
+    """The aux layer ids a checkpoint was trained on, where its config keeps them and in whose convention
+    (`model_type`: the target's text model, whose SGLang class may read eagle_config's ids its own way)."""
+    from .engines import sglang
+
+    found = []
+    for field, convention, offset in _ID_FIELDS:
+        v = cfg
+        for key in field.split("."):
+            v = v.get(key) if isinstance(v, dict) else None
+        if v:
+            if field.startswith("eagle_config") and sglang.captured_layers(v, model_type) != list(v):
+                convention, offset = f"SGLang's {model_type} rule: a list not starting at 1 is capture-before", -1
+            found.append(AuxIds([int(i) + offset for i in v], field, [int(i) for i in v], convention, offset))
+    if not found:
+        return AuxIds(default_aux_layers(target_layers))
+    if found[0].field.startswith("eagle_config") and len(found) > 1 and found[1].ours != found[0].ours:
+        raise StageError(f"the drafter config names two different aux layer sets: {found[0].field} {found[0].written} "
+                         f"({found[0].convention}) and {found[1].field} {found[1].written} ({found[1].convention}); "
+                         "SGLang reads the first, vLLM the second: keep the one it was trained on")
+    return found[0]
+
+
+def aux_ids_from_config(cfg: dict, target_layers: int, model_type: str = "") -> list[int]:
     """The aux layer ids a checkpoint was trained on, in our (output-of-layer) convention."""
-    ours = (cfg.get("eagle3_assets") or {}).get("aux_layer_ids")
-    if ours:
-        return list(ours)
-    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested:
-        return list(nested)  # SpecForge / SGLang: output of layer
-    top = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if top:
-        return [i - 1 for i in top]  # vLLM / speculators: capture before layer
-    return default_aux_layers(target_layers)
+    return read_aux_ids(cfg, target_layers, model_type).ours
+
+
+def check_finetune_layers(d: Path, ids: AuxIds, shard_ids: list[int]) -> None:
+    """A drafter finetuned on other layers than it was trained on learns against its own fc: refuse it."""
+    if list(ids.ours) == list(shard_ids):
+        return
+    raise StageError(f"drafter checkpoint {d} was trained on target layers {ids.describe()}, but the hidden-state "
+                     f"shards hold layers {list(shard_ids)} (output of layer i): finetuning would feed it other layers "
+                     f"than the ones its fc was trained on. Rematerialize hidden_state_shards with aux_layers "
+                     f"{list(ids.ours)} (output of layer i), or pick a drafter trained on layers {list(shard_ids)} "
+                     f"(in this config's convention: {ids.spelled(list(shard_ids))})")
+
+
+_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def _from_speculators(d: Path, cfg: dict) -> dict:
+    """A speculators-format EAGLE-3 config (`Eagle3Speculator`: the layer's fields under
+    `transformer_layer_config`) as the flat config the rest reads, when it computes our draft's function."""
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise StageError(f"drafter checkpoint {d}: speculators_model_type {cfg.get('speculators_model_type')!r} is not "
+                         "an EAGLE-3 draft (eagle3)")
+    # vLLM serves a speculators draft without the field as norm_before_residual=True
+    flags = {"norm_before_residual": cfg.get("norm_before_residual", True), **{f: cfg.get(f) for f in _SPECULATORS_FLAGS}}
+    on = [f"{k}={v}" for k, v in flags.items() if v]
+    if on:
+        raise StageError(f"drafter checkpoint {d}: its speculators config has {', '.join(on)}; this draft layer (and "
+                         "SGLang's) normalises after taking the residual, with no extra norms, so finetuning it here "
+                         "would change the function it computes. Finetune it with speculators, or start from a "
+                         f"{ARCH} checkpoint")
+    flat = dict(cfg.get("transformer_layer_config") or {})
+    for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if cfg.get(k) is not None:
+            flat[k] = cfg[k]
+    flat["architectures"] = [ARCH]
+    return flat
 
 
 def load_drafter_dir(d: Path, tc) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """Read an EAGLE-3 checkpoint to finetune from; validate it against the target."""
     if not (d / "config.json").exists():
         raise StageError(f"drafter checkpoint {d} has no config.json")
+    tc = text_config(tc)  # a wrapper's text model: what the drafter reads and predicts
     cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("speculators_model_type"):
+        cfg = _from_speculators(d, cfg)
     archs = set(cfg.get("architectures") or [])
     if not archs & _ACCEPTED_ARCHS:
         raise StageError(f"drafter checkpoint {d}: architectures {sorted(archs)} is not an EAGLE-3 Llama draft "
-                         f"({ARCH}); convert speculators checkpoints with `speculators convert` first")
+                         f"({ARCH}, or a speculators Eagle3Speculator)")
     if cfg.get("vocab_size") not in (None, tc.vocab_size):
         raise StageError(f"drafter checkpoint {d}: field vocab_size is {cfg['vocab_size']} but the target vocab has "
                          f"{tc.vocab_size} ids: the drafter was made for another target")
@@ -181,10 +265,10 @@ def load_drafter_dir(d: Path, tc) -> tuple[DraftConfig, dict[str, torch.Tensor]]
     c = DraftConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
                     num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
-                    rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                    rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                     max_position_embeddings=cfg.get("max_position_embeddings", tc.max_position_embeddings),
                     vocab_size=tc.vocab_size, draft_vocab_size=cfg.get("draft_vocab_size") or tc.vocab_size,
-                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers),
+                    target_hidden_size=th, aux_layer_ids=aux_ids_from_config(cfg, tc.num_hidden_layers, tc.model_type),
                     num_hidden_layers=int(cfg.get("num_hidden_layers") or 1))
     w = _normalize_names(_read_weights(d))
     if "t2d" not in w and "d2t" in w:  # ModelOpt exports omit t2d; it follows from d2t

@@ -38,15 +38,24 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
+        """A Llama-style draft layer of the target's text model's width (a wrapper's text_config)."""
+        tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         heads = tc.num_attention_heads
+        if getattr(tc, "kv_lora_rank", None):
+            # MLA (DeepSeek-V3, Kimi-K2): no grouped KV heads, and its `head_dim` is the rope part of a query.
+            # The anchors' Kimi-K2.5 drafts (SpecForge kimi-k25-eagle3.json, TorchSpec kimi_k25_eagle3.json)
+            # use every head for K/V and head_dim 128: the target's v_head_dim (7168 / 64 would be 112).
+            kv, head_dim = heads, int(getattr(tc, "v_head_dim", None) or tc.hidden_size // heads)
+        else:
+            kv = getattr(tc, "num_key_value_heads", None) or heads
+            head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
         # The draft uses plain RoPE at the target's theta, as SpecForge's drafts do; a target's rope scaling
         # (llama3, yarn) is not carried over, so training and serving agree.
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+        # intermediate_size: a MoE target's dense-layer width (Kimi-K2.5: 18432, as SpecForge's draft)
         return cls(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
-                   num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
-                   head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-                   rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
+                   num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
                    draft_vocab_size=draft_vocab_size, target_hidden_size=tc.hidden_size,
                    aux_layer_ids=list(aux_layer_ids))
@@ -226,6 +235,12 @@ def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
     same = (doc[:, :, None] == doc[:, None, :]) & causal
     eye = torch.eye(T, dtype=torch.bool, device=doc.device)
     return (same | ((doc < 0)[:, :, None] & eye))[:, None]
+
+
+# The tensors of a dense Llama-like target layer: what the draft layers can start from.
+LLAMA_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                       "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
 def init_extra_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ARCH, config_dict, load_drafter_dir, weights_hash
+from .checkpoint import ARCH, aux_ids_from_config, config_dict, load_drafter_dir, weights_hash
+from .engines import sglang, vllm
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
 from .shard_format import default_aux_layers
@@ -22,29 +23,33 @@ DIALECTS = ("vllm", "sglang")
 _FOREIGN_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")
 
 
-def layer_fields(dialect: str, aux: list[int], num_layers: int) -> dict:
+def layer_fields(dialect: str, aux: list[int], num_layers: int, model_type: str = "") -> dict:
+    """The config fields that make the engine capture `aux` (ours); none for the default layers."""
     if aux == default_aux_layers(num_layers):
         return {}
-    if dialect == "vllm":  # vLLM captures *before* layer i: ours + 1
-        return {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux]}
-    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}}
+    if dialect == "vllm":
+        return {"eagle_aux_hidden_state_layer_ids": vllm.to_vllm_ids(aux)}
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang.export_layer_ids(aux, model_type),
+                             "use_aux_hidden_state": True}}
 
 
-def engine_capture_layers(dialect: str, cfg: dict, num_layers: int) -> list[int]:
+def engine_capture_layers(dialect: str, cfg: dict, num_layers: int, model_type: str = "") -> list[int]:
     """Which target layers (our convention) the engine will capture for this config: what it reads, as it
-    reads it (vLLM: top-level ids, capture-before; SGLang: eagle_config ids + 1; else default)."""
+    reads it (vLLM: top-level ids, else eagle_config's, capture-before; SGLang: eagle_config's, per its
+    model class's rule; none: the default)."""
     if dialect == "vllm":
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids")
-        return [i - 1 for i in ids] if ids else default_aux_layers(num_layers)
+        return vllm.from_vllm_ids(ids) if ids else default_aux_layers(num_layers)
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(ids) if ids else default_aux_layers(num_layers)
+    return sglang.captured_layers(ids, model_type) if ids else default_aux_layers(num_layers)
 
 
 def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
     """The contract of one export directory; returns what was checked, raises naming the offending field."""
     from safetensors.torch import load_file
 
+    tc = text_config(tc)  # a wrapper's (Kimi-K2.5's) text model: its vocab, width and layer count
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("architectures") != [ARCH]:
         raise StageError(f"{d}: config field architectures is {cfg.get('architectures')}, must be [{ARCH!r}]")
@@ -60,7 +65,7 @@ def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
     bad = [f for f in _FOREIGN_FLAGS if f in cfg]
     if bad:
         raise StageError(f"{d}: config fields {bad} are not understood by the plain EAGLE-3 layer of vLLM/SGLang")
-    captured = engine_capture_layers(dialect, cfg, tc.num_hidden_layers)
+    captured = engine_capture_layers(dialect, cfg, tc.num_hidden_layers, tc.model_type)
     if captured != list(aux):
         raise StageError(f"{d}: {dialect} would capture target layers {captured} (output-of-layer) but the drafter was "
                          f"trained on {list(aux)}: acceptance would collapse without an error")
@@ -78,9 +83,11 @@ def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
 def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
     from safetensors.torch import save_file
 
+    tc = text_config(tc)
     c, w = load_drafter_dir(src, tc)
     cfg = config_dict(c, "bfloat16", tc.max_position_embeddings)
-    cfg.update(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers))
+    fields = layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers, tc.model_type)
+    cfg.update(fields)
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in w.items()}
     tmp = out.with_name(f".tmp-{out.name}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -88,8 +95,7 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     checked = validate_export(tmp, dialect, tc, c.aux_layer_ids)
     replace_dir(tmp, out)
-    return {"path": str(out), "layer_ids": "omitted (engine defaults)" if not layer_fields(dialect, c.aux_layer_ids,
-            tc.num_hidden_layers) else json.dumps(layer_fields(dialect, c.aux_layer_ids, tc.num_hidden_layers)),
+    return {"path": str(out), "layer_ids": json.dumps(fields) if fields else "omitted (engine defaults)",
             "bytes": sum(p.stat().st_size for p in out.iterdir()), **checked}
 
 
@@ -101,9 +107,12 @@ def run(workdir: str, args: dict, reporter) -> None:
     unknown = [x for x in dialects if x not in DIALECTS]
     if unknown:
         raise StageError(f"unknown export dialects {unknown}; choose from {list(DIALECTS)}")
-    layers = int(json.loads(require_file(src / "config.json", "drafter config", "train the drafter first")
-                            .read_text()).get("num_hidden_layers") or 1)
-    if "sglang" in dialects and layers > 1:  # checked before any dialect is written
+    src_cfg = json.loads(require_file(src / "config.json", "drafter config", "train the drafter first").read_text())
+    layers = int(src_cfg.get("num_hidden_layers") or 1)
+    if "sglang" in dialects:  # refusals checked before any dialect is written
+        layer_fields("sglang", aux_ids_from_config(src_cfg, tc.num_hidden_layers, tc.model_type), tc.num_hidden_layers,
+                     tc.model_type)
+    if "sglang" in dialects and layers > 1:
         # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
         # residual it is passed, so layers after the first compute another function than the one trained
         raise StageError(f"{src} has {layers} draft layers; SGLang's later EAGLE-3 layers drop the residual "

@@ -5,13 +5,11 @@ the device keeps computing while parts go to disk."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import queue
 import shutil
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,16 +17,10 @@ import pyarrow.parquet as pq
 
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
-from .shard_format import (FORMAT, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, default_aux_layers, shard_name,
-                           write_part)
-
-
-@dataclass
-class Sample:
-    row: int
-    id: str
-    input_ids: list[int]
-    loss_mask: list[int]
+from .shard_format import (FORMAT, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, check_aux_layers, default_aux_layers,
+                           shard_name)
+from .shard_writer import Sample, ShardWriter
+from .target_size import check_fits
 
 
 class HiddenStateCapture:
@@ -36,7 +28,9 @@ class HiddenStateCapture:
     output before the final norm (what the target's norm + lm_head turn into logits)."""
 
     def __init__(self, model, aux_layers: list[int]):
-        self.base = model.get_decoder()
+        from .target import text_decoder
+
+        self.base = text_decoder(model)  # a wrapper's (Kimi-K2.5's) text decoder, not its vision tower
         layers = self.base.layers
         n = len(layers)
         bad = [i for i in aux_layers if not 0 <= i < n]
@@ -104,88 +98,6 @@ def pad_batch(batch: list[Sample], multiple: int = 8):
     return ids, valid, lengths
 
 
-class _Part:
-    def __init__(self, cap_tokens: int, hidden: int, dtype, pin: bool):
-        import torch
-
-        self.aux = torch.empty((cap_tokens, 3 * hidden), dtype=dtype, pin_memory=pin)
-        self.final = torch.empty((cap_tokens, hidden), dtype=dtype, pin_memory=pin)
-        self.ids = torch.empty((cap_tokens,), dtype=torch.int64)
-        self.mask = torch.empty((cap_tokens,), dtype=torch.uint8)
-        self.cap = cap_tokens
-        self.reset()
-
-    def reset(self):
-        self.used, self.rows, self.event = 0, [], None
-
-
-class ShardWriter:
-    """Fills part buffers batch by batch; full parts go to a thread pool that writes and hashes them."""
-
-    def __init__(self, out_dir: Path, hidden: int, dtype, part_tokens: int, io_threads: int, pin: bool):
-        self.out_dir, self.hidden = out_dir, hidden
-        self.pool = ThreadPoolExecutor(max_workers=io_threads)
-        self.free: queue.Queue[_Part] = queue.Queue()
-        for _ in range(io_threads + 1):  # one being filled while io_threads are written
-            self.free.put(_Part(part_tokens, hidden, dtype, pin))
-        self.cur = self.free.get()
-        self.futures: list[Future] = []
-        self.files: list[dict] = []
-        self.index: list[dict] = []
-        self.part_no = 0
-
-    def add(self, batch: list[Sample], lengths: list[int], aux, final) -> None:
-        """aux/final: valid tokens of the batch on the device, samples in `batch` order."""
-        import torch
-
-        n = aux.shape[0]
-        if self.cur.used + n > self.cur.cap:
-            self.flush()
-        p, o = self.cur, self.cur.used
-        p.aux[o: o + n].copy_(aux, non_blocking=True)
-        p.final[o: o + n].copy_(final, non_blocking=True)
-        off = o
-        for s, ln in zip(batch, lengths):
-            p.ids[off: off + ln] = torch.tensor(s.input_ids[:ln], dtype=torch.int64)
-            p.mask[off: off + ln] = torch.tensor(s.loss_mask[:ln], dtype=torch.uint8)
-            p.rows.append({"row": s.row, "id": s.id, "offset": off, "length": ln,
-                           "loss_tokens": int(sum(s.loss_mask[:ln]))})
-            off += ln
-        p.used = off
-        if aux.is_cuda:
-            p.event = torch.cuda.Event()
-            p.event.record()
-
-    def flush(self) -> None:
-        p = self.cur
-        if p.used == 0:
-            return
-        name = f"part-{self.part_no:04d}.safetensors"
-        self.part_no += 1
-        for r in p.rows:
-            r["part"] = name
-        self.index.extend(p.rows)
-        self.futures.append(self.pool.submit(self._write, p, name))
-        self.cur = self.free.get()  # blocks while all buffers are being written: back-pressure
-
-    def _write(self, p: _Part, name: str) -> dict:
-        try:
-            if p.event is not None:
-                p.event.synchronize()
-            t = p.used
-            tensors = {"input_ids": p.ids[:t], "loss_mask": p.mask[:t], "aux": p.aux[:t], "final": p.final[:t]}
-            nbytes, digest = write_part(self.out_dir / name, tensors)
-            return {"name": name, "bytes": nbytes, "sha256": digest, "tokens": t}
-        finally:
-            p.reset()
-            self.free.put(p)
-
-    def close(self) -> None:
-        self.flush()
-        self.files = [f.result() for f in self.futures]  # re-raises a failed write
-        self.pool.shutdown()
-
-
 def extract_samples(model, samples: list[Sample], out_dir: Path, aux_layers: list[int], *, batch_tokens: int,
                     part_bytes: int, io_threads: int, progress=None) -> ShardWriter:
     """Run the target over `samples` and write parts + rows into `out_dir`. Used by the stage and the bench."""
@@ -235,75 +147,80 @@ def load_samples(conversations: Path, shard: int, samples_per_shard: int, max_le
     return samples, truncated
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    from .target import load_config, load_model, text_config
+BACKENDS = ("hf", "vllm")
 
+
+def run(workdir: str, args: dict, reporter) -> None:
+    from .target import load_config, load_model, pick_device, text_config
+
+    backend = args.get("backend", "hf")
+    if backend not in BACKENDS:
+        raise StageError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     shard = int(args["shard"])
     conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
                                  "materialize the conversations asset first")
     out_root = resolve(workdir, args.get("out_dir", "hidden_states"))
     target = resolve(workdir, args["target"])
     cfg = text_config(load_config(target))
-    aux_layers = list(args.get("aux_layers") or default_aux_layers(cfg.num_hidden_layers))
+    num_layers = int(cfg.num_hidden_layers)
+    aux_layers = list(args.get("aux_layers") or default_aux_layers(num_layers))
+    check_aux_layers(aux_layers, num_layers)
+    from .compute_dtype import choice, host_device, line
+
+    dtype_info = choice(args.get("dtype"), host_device(args.get("device", "auto")))
+    dtype = dtype_info["dtype"]
     samples, truncated = load_samples(conversations, shard, int(args["samples_per_shard"]),
                                       int(args.get("max_length", 2048)))
     name = shard_name(shard)
     out_root.mkdir(parents=True, exist_ok=True)
+    total = sum(len(s.input_ids) for s in samples)
+    need = total * bytes_per_token(int(cfg.hidden_size), dtype)
+    free = shutil.disk_usage(out_root).free
+    if need > free:
+        raise StageError(f"{name} needs ~{need / 1e9:,.3f} GB for {total:,} tokens of hidden states, but only "
+                         f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
+                         f"workdir to a bigger disk")
+    if backend == "hf":
+        device = pick_device(args.get("device", "auto"))
+        check_fits(target, dtype, device)  # before a GB is loaded
+    reporter.log(line(dtype_info))
     for stale in out_root.glob(f".tmp-{name}-*"):  # left by a run that died: never complete, safe to drop
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out_root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-
-    total = sum(len(s.input_ids) for s in samples)
-    need = total * bytes_per_token(int(cfg.hidden_size), args.get("dtype", "bfloat16"))
-    free = shutil.disk_usage(out_root).free
-    if need > free:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise StageError(f"{name} needs ~{need / 1e9:,.3f} GB for {total:,} tokens of hidden states, but only "
-                         f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
-                         f"workdir to a bigger disk")
-    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
-    reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
-                 f"({LAYER_CONVENTION}) + final pre-norm, on {next(model.parameters()).device}")
-    t0 = time.monotonic()
     try:
-        with reporter.progress(f"extract {name}", total, unit="tokens") as prog:
-            writer = extract_samples(model, samples, tmp, aux_layers,
-                                     batch_tokens=int(args.get("batch_tokens", 16384)),
-                                     part_bytes=int(args.get("part_bytes", 1 << 30)),
-                                     io_threads=int(args.get("io_threads", 4)), progress=prog)
-        wall = time.monotonic() - t0
-        pq.write_table(pa.Table.from_pylist(writer.index), tmp / INDEX)
-        from .files import sha256_file
+        if backend == "hf":
+            model = load_model(target, dtype, device)
+            reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
+                         f"({LAYER_CONVENTION}) + final pre-norm, on {next(model.parameters()).device}")
+            t0 = time.monotonic()
+            with reporter.progress(f"extract {name}", total, unit="tokens") as prog:
+                writer = extract_samples(model, samples, tmp, aux_layers,
+                                         batch_tokens=int(args.get("batch_tokens", 16384)),
+                                         part_bytes=int(args.get("part_bytes", 1 << 30)),
+                                         io_threads=int(args.get("io_threads", 4)), progress=prog)
+            files, index = writer.files, writer.index
+            engine = {"engine": "transformers", "engine_version": _version("transformers"),
+                      "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+        else:
+            from .extract_vllm import extract
 
-        nbytes = sum(f["bytes"] for f in writer.files)
-        manifest = {
-            "format": FORMAT,
-            "shard": shard,
-            "target": str(target),
-            "hidden_size": int(cfg.hidden_size),
-            "num_layers": int(cfg.num_hidden_layers),
-            "aux_layer_ids": aux_layers,
-            "layer_convention": LAYER_CONVENTION,
-            "final": "last decoder layer output, before the final norm",
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "samples": len(writer.index),
-            "tokens": total,
-            "loss_tokens": sum(r["loss_tokens"] for r in writer.index),
-            "truncated_samples": int(truncated),
-            "bytes": nbytes,
-            "files": writer.files,
-            "index": {"name": INDEX, "sha256": sha256_file(tmp / INDEX)},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
+                         f"({LAYER_CONVENTION}) + final pre-norm, through vLLM")
+            files, index, engine = extract(target, samples, tmp, aux_layers, num_layers, {**args, "dtype": dtype},
+                                           reporter, f"extract {name}")
+            engine["dtype"] = dtype
+            t0 = time.monotonic() - engine["engine_wall_s"]  # tokens/s counts the engine's work, not its start
+        wall = time.monotonic() - t0
         final_dir = out_root / name
-        replace_dir(tmp, final_dir)
+        manifest = publish_shard(tmp, final_dir, files, index, {
+            "shard": shard, "target": str(target), "hidden_size": int(cfg.hidden_size), "num_layers": num_layers,
+            "aux_layer_ids": aux_layers, "backend": backend, **engine, "truncated_samples": int(truncated)})
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    import hashlib
-
-    version = hashlib.sha256("".join(f["sha256"] for f in writer.files).encode()).hexdigest()[:32]
+    nbytes = manifest["bytes"]
+    version = hashlib.sha256("".join(f["sha256"] for f in files).encode()).hexdigest()[:32]
     meta = {
         "path": str(final_dir),
         "shard": shard,
@@ -316,8 +233,45 @@ def run(workdir: str, args: dict, reporter) -> None:
         "wall_s": round(wall, 2),
         "aux_layer_ids": aux_layers,
         "layer_convention": LAYER_CONVENTION,
-        "parts": len(writer.files),
+        "backend": backend,
+        "engine": engine["engine"],
+        "engine_version": engine["engine_version"],
+        "parts": len(files),
+        **{k: v for k, v in dtype_info.items() if k != "dtype"},
+        "dtype": engine["dtype"],
         "manifest": manifest,
     }
     reporter.materialize(metadata=meta, data_version=version)
     reporter.result({"path": str(final_dir), "tokens": total, "bytes": nbytes, "data_version": version})
+
+
+def publish_shard(tmp: Path, final_dir: Path, files: list[dict], index: list[dict], fields: dict) -> dict:
+    """Index and manifest (written last: a shard without one is never complete), then the atomic move."""
+    from .files import sha256_file
+
+    index = sorted(index, key=lambda r: r["row"])
+    pq.write_table(pa.Table.from_pylist(index), tmp / INDEX)
+    manifest = {
+        "format": FORMAT,
+        **fields,
+        "layer_convention": LAYER_CONVENTION,
+        "final": "last decoder layer output, before the final norm",
+        "samples": len(index),
+        "tokens": sum(r["length"] for r in index),
+        "loss_tokens": sum(r["loss_tokens"] for r in index),
+        "bytes": sum(f["bytes"] for f in files),
+        "files": sorted(files, key=lambda f: f["name"]),
+        "index": {"name": INDEX, "sha256": sha256_file(tmp / INDEX)},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    replace_dir(tmp, final_dir)
+    return manifest
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

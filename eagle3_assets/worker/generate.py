@@ -78,7 +78,7 @@ def hf_backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> 
     import torch
 
     torch.manual_seed(s.seed)
-    model = load_model(target, args.get("dtype", "bfloat16"), args.get("device", "auto"))
+    model = load_model(target, args["dtype"], args.get("device", "auto"))
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
@@ -124,7 +124,7 @@ def server_backend(engine_name: str):
         python = args.get("engine_python") or sys.executable
         check_support(engine, python, target)
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
-                                     dtype=args.get("dtype", "bfloat16"), max_model_len=s.max_prompt_tokens + s.max_new,
+                                     dtype=args["dtype"], max_model_len=s.max_prompt_tokens + s.max_new,
                                      seed=s.seed, extra=list(args.get("extra_args") or []))
         env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
         if engine_name == "vllm":
@@ -174,6 +174,11 @@ def run(workdir: str, args: dict, reporter) -> None:
     max_new, temperature, top_p, max_prompt_tokens = s.max_new, s.temperature, s.top_p, s.max_prompt_tokens
     target = resolve(workdir, args["target"])
     tok = load_tokenizer(target)
+    from .compute_dtype import choice, host_device, line
+
+    dtype_info = choice(args.get("dtype"), host_device(args.get("device", "auto")))
+    args = {**args, "dtype": dtype_info["dtype"]}
+    reporter.log(line(dtype_info))
 
     convs = [_Conv(r) for r in rows]
     total_turns = sum(sum(m["role"] == "user" for m in c.todo) for c in convs)
@@ -220,6 +225,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "length_capped_turns": sum(c.truncated for c in convs),
         "total_tokens": sum(r["num_tokens"] for r in records),
         "loss_tokens": sum(r["num_loss_tokens"] for r in records),
+        **dtype_info,
         "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new,
                      "seed": int(args.get("seed", 0)), "max_prompt_tokens": max_prompt_tokens},
     }

@@ -32,20 +32,22 @@ from .target import load_tokenizer
 ENGINES = {"vllm": vllm, "sglang": sglang}
 
 
-def check_support(engine, python: str, target: Path) -> dict:
-    """Ask the installed engine; a StageError that names the version, the model type and what to do."""
+def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
+    """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
+    model type and what to do."""
     cfg = json.loads((target / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     model_type = cfg.get("model_type", "?")
+    text_arch = ((cfg.get("text_config") or {}).get("architectures") or [arch])[0]
     try:
-        done = subprocess.run([python, "-c", engine.SUPPORT_PROBE, arch, model_type], capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run([python, "-c", probe or engine.SUPPORT_PROBE, arch, model_type, text_arch],
+                              capture_output=True, text=True, timeout=600)
     except FileNotFoundError:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
                          f"environment where {engine.NAME} is installed") from None
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise StageError(f"asking {engine.NAME} in {python} about EAGLE-3 support failed: {done.stderr[-2000:]}")
+        raise StageError(f"asking {engine.NAME} in {python} whether it can {purpose} failed: {done.stderr[-2000:]}")
     info = json.loads(lines[-1])
     if not info.get("installed"):
         raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
@@ -53,9 +55,10 @@ def check_support(engine, python: str, target: Path) -> dict:
                          f"or set engine_python to the environment that has it")
     if not info["supported"]:
         raise StageError(
-            f"{engine.NAME} {info['version']} cannot serve EAGLE-3 for this target (architecture {arch}, model_type "
-            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports EAGLE-3 "
-            f"for {model_type}, or benchmark on the other engine")
+            f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
+            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports "
+            f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}, or use the "
+            f"other {'engine' if purpose.startswith('serve') else 'backend'}")
     return info
 
 
@@ -65,12 +68,16 @@ def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, t
     acceptance collapses."""
     from .checkpoint import aux_ids_from_config
     from .export import engine_capture_layers
+    from .target import load_config, text_config
 
-    layers = int(json.loads((target / "config.json").read_text()).get("num_hidden_layers", 0))
-    served = engine_capture_layers(engine_name, json.loads((export_dir / "config.json").read_text()), layers)
+    tc = text_config(load_config(target))  # a wrapper's (Kimi's) text model
+    layers = int(tc.num_hidden_layers)
+    served = engine_capture_layers(engine_name, json.loads((export_dir / "config.json").read_text()), layers,
+                                   tc.model_type)
     out = {"served_aux_layers": served}
     if trained_dir is not None and (trained_dir / "config.json").exists():
-        out["trained_aux_layers"] = aux_ids_from_config(json.loads((trained_dir / "config.json").read_text()), layers)
+        out["trained_aux_layers"] = aux_ids_from_config(json.loads((trained_dir / "config.json").read_text()), layers,
+                                                     tc.model_type)
     return out
 
 
@@ -125,7 +132,11 @@ def run(workdir: str, args: dict, reporter) -> None:
     env = {str(k_): str(v) for k_, v in (args.get("env") or {}).items()}
     if engine is vllm:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; only read by the CPU backend
-    common = dict(k=k, dtype=args.get("dtype", "bfloat16"), max_model_len=int(args.get("max_model_len", 4096)),
+    from .compute_dtype import choice, host_device, line
+
+    dtype_info = choice(args.get("dtype"), host_device())
+    reporter.log(line(dtype_info))
+    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.get("max_model_len", 4096)),
                   seed=int(args.get("seed", 0)), extra=list(args.get("extra_args") or []))
     timeout = float(args.get("ready_timeout_s", 1200))
 
@@ -158,6 +169,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                 _write_requests(out_dir / f"requests-{mode}-c{c}.jsonl", responses)
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
+    summary["metadata"].update(dtype_info)
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args["trained_drafter"])
                                             if args.get("trained_drafter") else None, target))
     _append_history(resolve(workdir, args["history"]), summary["rows"])

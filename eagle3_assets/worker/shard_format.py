@@ -76,3 +76,14 @@ def read_manifest(shard_dir: Path) -> dict | None:
         return json.loads((shard_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def check_aux_layers(aux: list[int], num_layers: int) -> None:
+    """3 distinct decoder layer ids of the target, in our convention."""
+    bad = [i for i in aux if not 0 <= int(i) < num_layers]
+    if len(aux) != 3 or bad or len(set(aux)) != 3:
+        from .errors import StageError
+
+        raise StageError(f"aux_layers must be 3 distinct decoder layer ids in [0, {num_layers - 1}] for this "
+                         f"{num_layers}-layer target ({LAYER_CONVENTION}: id i is the output of layer i); got {list(aux)}"
+                         + (f" ({bad} outside the target)" if bad else ""))

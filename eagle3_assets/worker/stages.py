@@ -22,4 +22,5 @@ STAGES = {
     "export": _lazy("export"),
     "speculate": _lazy("speculate"),
     "serve_bench": _lazy("serve_bench"),
+    "engine_check": _lazy("engine_check"),
 }

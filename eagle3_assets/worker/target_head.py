@@ -10,11 +10,16 @@ import torch
 
 from .errors import StageError
 
+# plain causal LMs, transformers v5 multimodal wrappers (`model.language_model.*`), and the original layout
+# of wrappers such as Kimi-K2.5 and llava (`language_model.model.*`, `language_model.lm_head`)
 _NAMES = {
-    "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight"),
-    "norm": ("model.norm.weight", "model.language_model.norm.weight", "norm.weight"),
-    "lm_head": ("lm_head.weight", "model.lm_head.weight"),
+    "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight", "embed_tokens.weight"),
+    "norm": ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
+             "norm.weight"),
+    "lm_head": ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"),
 }
+_LAYER_PREFIXES = ("model.layers.{}.", "model.language_model.layers.{}.", "language_model.model.layers.{}.")
 
 
 def _locate(path: Path) -> dict[str, Path]:
@@ -48,20 +53,28 @@ def load_target_head(path: Path, eps: float) -> "TargetHead":
     return TargetHead(got["embed"], got["norm"], got.get("lm_head", got["embed"]), eps)
 
 
-def load_target_layer(path: Path, layer: int) -> dict[str, torch.Tensor]:
-    """One decoder layer's weights, named as in the layer (`self_attn.q_proj.weight`, `mlp.up_proj.weight`...)."""
+def load_target_layer(path: Path, layer: int, need: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights, named as in the layer (`self_attn.q_proj.weight`, `mlp.up_proj.weight`...).
+    `need`: read only these, and raise ValueError before reading anything when one is absent (an MLA or MoE
+    layer has no dense q/k/v or MLP: reading its hundreds of experts to find that out would cost GBs)."""
     from safetensors import safe_open
 
     where = _locate(path)
-    out = {}
-    for prefix in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}."):
-        for name, f in where.items():
-            if name.startswith(prefix):
-                with safe_open(str(f), "pt") as st:
-                    out[name[len(prefix):]] = st.get_tensor(name)
-        if out:
-            return out
-    raise StageError(f"target {path}: no tensors of decoder layer {layer} in its safetensors files")
+    for prefix in (p.format(layer) for p in _LAYER_PREFIXES):
+        names = {n[len(prefix):]: n for n in where if n.startswith(prefix)}
+        if not names:
+            continue
+        missing = [n for n in need if n not in names]
+        if missing:
+            raise ValueError(f"target layer {layer} has no {', '.join(missing)} (it is not a dense Llama-like layer)")
+        out = {}
+        for short, name in names.items():
+            if not need or short in need:
+                with safe_open(str(where[name]), "pt") as st:
+                    out[short] = st.get_tensor(name)
+        return out
+    raise StageError(f"target {path}: no tensors of decoder layer {layer} in its safetensors files (looked for "
+                     f"{', '.join(p.format(layer) for p in _LAYER_PREFIXES)}*)")
 
 
 class TargetHead(torch.nn.Module):

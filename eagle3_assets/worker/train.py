@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import charts
+from .compute_dtype import cpu as cpu_info
 from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
 from .files import resolve, write_json
@@ -176,7 +177,9 @@ def bf16_compute(device: str, precision: str = "auto") -> bool:
     where it doubles training speed; `precision` fp32 or bf16 forces it."""
     if precision != "auto":
         return precision == "bf16"
-    return device.startswith("cuda") or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from .compute_dtype import cpu
+
+    return device.startswith("cuda") or cpu()["cpu_bf16"]
 
 
 def autocast(device: str, bf16: bool | None = None):
@@ -224,7 +227,7 @@ def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
 
 
 def run(workdir: str, args: dict, reporter) -> None:
-    from .checkpoint import load_drafter_dir, save_drafter_dir
+    from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids, save_drafter_dir
 
     from .distributed import Group, launch
 
@@ -242,6 +245,10 @@ def run(workdir: str, args: dict, reporter) -> None:
     device = group.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     bf16 = bf16_compute(device, str(hp["precision"]))
+    if group.is_main:
+        where = "" if device.startswith("cuda") else f" on {cpu_info()['cpu']} ({', '.join(cpu_info()['cpu_isa'])})"
+        reporter.log(f"training in {'bf16 autocast (fp32 master weights)' if bf16 else 'float32'} "
+                     f"(precision {hp['precision']}){where}")
     if hp["loss_on"] not in ("responses", "all") or hp["init_head"] not in ("target", "random") or \
             hp["aux_scale"] not in ("none", "rms") or hp["loss"] not in ("soft", "hard"):
         raise StageError(f"loss_on must be responses or all (got {hp['loss_on']!r}), init_head target or random "
@@ -257,10 +264,12 @@ def run(workdir: str, args: dict, reporter) -> None:
     if init:
         init_dir = resolve(workdir, init)
         cfg, weights = load_drafter_dir(init_dir, tc)
+        ids = read_aux_ids(json.loads((init_dir / "config.json").read_text()), tc.num_hidden_layers, tc.model_type)
+        data = ShardSet(shard_dirs, tc.hidden_size)
+        check_finetune_layers(init_dir, ids, data.aux_layer_ids)  # before a single step
         reporter.log(f"finetuning {init_dir}: its draft vocab ({cfg.draft_vocab_size}), aux layers "
-                     f"{cfg.aux_layer_ids} and {cfg.num_hidden_layers} draft layer(s) are reused")
+                     f"{ids.describe()} and {cfg.num_hidden_layers} draft layer(s) are reused")
         hp["num_layers"] = cfg.num_hidden_layers  # what is trained, in the metadata and the resume fingerprint
-        data = ShardSet(shard_dirs, tc.hidden_size, cfg.aux_layer_ids)
     else:
         from safetensors.torch import load_file
 
@@ -294,7 +303,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
     if hp["init_layer"] is not None and weights is None:
-        from .drafter import init_extra_layer, init_from_target_layer
+        from .drafter import LLAMA_LAYER_TENSORS, init_extra_layer, init_from_target_layer
         from .target_head import load_target_layer
 
         # the draft's n layers from n consecutive target layers ending at init_layer (-1: the last)
@@ -305,12 +314,12 @@ def run(workdir: str, args: dict, reporter) -> None:
                              f"before it: use an init_layer of at least {cfg.num_hidden_layers - 1}, or -1")
         at_random = {k: v.clone() for k, v in model.state_dict().items()}
         try:
-            init_from_target_layer(model, load_target_layer(target, first))
+            init_from_target_layer(model, load_target_layer(target, first, LLAMA_LAYER_TENSORS))
             for i, extra in enumerate(model.layers.values(), 1):
-                init_extra_layer(extra, load_target_layer(target, first + i))
+                init_extra_layer(extra, load_target_layer(target, first + i, LLAMA_LAYER_TENSORS))
             reporter.log(f"draft layer initialised from target layer {last}" if first == last else
                          f"draft layers initialised from target layers {', '.join(map(str, range(first, last + 1)))}")
-        except (ValueError, StageError) as e:  # e.g. an MoE target: its layers do not fit a dense draft layer
+        except (ValueError, StageError) as e:  # an MoE or MLA target: its layers do not fit a dense draft layer
             model.load_state_dict(at_random)  # all at random, not half from the target
             reporter.log(f"draft layers initialised at random: target layers {first}..{last} do not fit ({e})",
                          "warning")
@@ -463,6 +472,8 @@ def run(workdir: str, args: dict, reporter) -> None:
         "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
         "wall_s": round(wall, 1),
         "device": device,
+        "compute": "bf16 autocast, fp32 master weights" if bf16 else "float32",
+        **({} if device.startswith("cuda") else cpu_info()),
         "data_parallel_processes": group.world,
         "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
         "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,

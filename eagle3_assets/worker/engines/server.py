@@ -1,6 +1,6 @@
 """An inference server process on the host: started in its own process group with its output in a log
-file, waited on until it answers its health route, and stopped with its whole group, whatever happens,
-so that no process or GPU memory is left behind."""
+file, waited on until it answers its health route, and stopped with its whole group, whatever happens
+(an error, a cancel, the worker killed), so that no process or GPU memory is left behind."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class EngineServer:
         log.write(f"$ {' '.join(self.argv)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=_stop_with_parent)
         log.close()
         return self
 
@@ -122,6 +122,18 @@ class EngineServer:
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+def _stop_with_parent() -> None:
+    """In the server's process, before exec: Linux sends it SIGTERM when the worker that started it dies, by
+    any means (kill -9 included), so a server never outlives its stage and keeps a GPU. Elsewhere a no-op:
+    the worker's own SIGTERM handler (worker/__main__.py) still stops it on a cancel."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _group_alive(pgid: int) -> bool:

@@ -59,3 +59,30 @@ def accept_length(server_info: dict) -> float | None:
         if value is not None:
             return float(value)
     return None
+
+
+# How SGLang (0.5.14, models/*.py `set_eagle3_layers_to_capture`) reads the export's
+# `eagle_config.eagle_aux_hidden_state_layer_ids`: most model classes add 1 to every id (they capture a
+# layer's input), so ids there are ours (output of layer i). deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2 and
+# K2.5, whose kimi_k25.py hands over to it) and glm4_moe_lite.py add 1 only when the first id is 1, and
+# take other lists as capture-before (sglang PR #25454); releases before it added 1 always. So for those
+# targets only lists starting at layer 1 mean the same to every release.
+FIRST_ID_RULE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"})
+
+
+def export_layer_ids(ours: list[int], model_type: str) -> list[int]:
+    if model_type in FIRST_ID_RULE and ours[0] != 1:
+        from ..errors import StageError
+
+        raise StageError(f"SGLang reads EAGLE-3 layer ids for {model_type} targets two ways (releases since PR #25454 "
+                         f"take a list whose first id is not 1 as capture-before, earlier ones add 1 to every id), so "
+                         f"aux layers {list(ours)} would be misread by one of them: train on aux layers whose first id "
+                         f"is 1 (the default [1, N//2-1, N-4] is), or export for vllm only (dialects: [vllm])")
+    return list(ours)
+
+
+def captured_layers(ids: list[int], model_type: str) -> list[int]:
+    """The layers (ours) the current SGLang captures for these config ids."""
+    if model_type in FIRST_ID_RULE and ids and ids[0] != 1:
+        return [int(i) - 1 for i in ids]
+    return list(ids)

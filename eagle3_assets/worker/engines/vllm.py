@@ -14,19 +14,10 @@ HEALTH = "/health"
 # Run with the engine's Python: decide from the installed vLLM's own code, not from a list of ours.
 # Newer vLLMs gate EAGLE-3 on the target class implementing SupportsEagle3; older ones also (or only) on a
 # model-type list in SpeculativeConfig._verify_args (substring match), which is read from their source.
-SUPPORT_PROBE = support_probe("vllm", r'''
-try:
-    import vllm.config.speculative as spec
-    src = inspect.getsource(spec)
-    lists = re.findall(r"(?:eagle3_target_supported|aux_hidden_states_supported)\s*=\s*\[([^\]]*)\]", src)
-    if lists:
-        allowed = re.findall(r"[\"']([^\"']+)[\"']", lists[-1])
-        out["model_type_list"] = allowed
-        if not any(a in model_type for a in allowed):
-            reasons.append(f"its SpeculativeConfig accepts EAGLE-3 targets only of model types {allowed}, "
-                           f"and this target's model_type is {model_type!r}")
-except Exception as e:
-    out["list_error"] = str(e)
+# Shared by both probes: the target's vLLM class, and whether it captures aux hidden states (`cls` is None
+# when vLLM has no class for the architecture).
+_RESOLVE_CLASS = r'''
+cls = None
 try:
     from vllm.model_executor.models.registry import ModelRegistry
     cls = ModelRegistry._try_load_model_cls(arch)
@@ -40,9 +31,24 @@ try:
                 reasons.append(f"its {cls.__qualname__} does not implement SupportsEagle3 (the aux hidden-state "
                                f"capture EAGLE-3 needs)")
         except ImportError:
-            pass  # before the interface existed, the model-type list above was the whole gate
+            pass  # before the interface existed, the model-type list in SpeculativeConfig was the whole gate
 except Exception as e:
     reasons.append(f"resolving the architecture failed: {type(e).__name__}: {e}")
+'''
+
+SUPPORT_PROBE = support_probe("vllm", _RESOLVE_CLASS + r'''
+try:
+    import vllm.config.speculative as spec
+    src = inspect.getsource(spec)
+    lists = re.findall(r"(?:eagle3_target_supported|aux_hidden_states_supported)\s*=\s*\[([^\]]*)\]", src)
+    if lists:
+        allowed = re.findall(r"[\"']([^\"']+)[\"']", lists[-1])
+        out["model_type_list"] = allowed
+        if not any(a in model_type for a in allowed):
+            reasons.append(f"its SpeculativeConfig accepts EAGLE-3 targets only of model types {allowed}, "
+                           f"and this target's model_type is {model_type!r}")
+except Exception as e:
+    out["list_error"] = str(e)
 ''')
 
 
@@ -106,3 +112,98 @@ def acceptance(before: str, after: str, k: int) -> dict:
         "acceptance_length": 1 + accepted / drafts, "acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_per_pos": [delta("num_accepted_tokens_per_pos", position=i) / drafts for i in range(k)],
     }
+
+
+# ---------------- hidden-state extraction (`extract_hidden_states` + our KV connector) ----------------
+# vLLM numbers a captured state by the layer it enters: id i = the input of decoder layer i, and id
+# num_hidden_layers = the last layer's output before the final norm. Ours: id i = the output of layer i,
+# the final state apart. These two functions are the only place the two conventions meet.
+
+def to_vllm_ids(ours: list[int]) -> list[int]:
+    return [int(i) + 1 for i in ours]
+
+
+def from_vllm_ids(ids: list[int]) -> list[int]:
+    return [int(i) - 1 for i in ids]
+
+
+def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
+    """The ids to ask vLLM for (the aux layers and the final state), and where each of ours lands: vLLM
+    stacks what it captures in layer order, once per id, so the columns are looked up, not assumed."""
+    ids = sorted(set(to_vllm_ids(aux)) | {num_layers})
+    return ids, [ids.index(i) for i in to_vllm_ids(aux)], ids.index(num_layers)
+
+
+CONNECTOR = "Eagle3ShardConnector"
+CONNECTOR_MODULE = "eagle3_assets.worker.engines.vllm_connector"
+
+# Whether the installed vLLM can extract for this target, from its own code: the method exists, the target
+# class captures aux hidden states (SupportsEagle3), its backbone returns the final layer (the DeepSeek-V2/V3
+# family's dropped an id equal to num_hidden_layers before vLLM PR #46973), the KV connector API we plug into.
+EXTRACT_PROBE = support_probe("vllm", _RESOLVE_CLASS + r'''
+import sys as _sys
+try:
+    import typing
+    import vllm.config.speculative as spec
+    methods = set()
+    for t in typing.get_args(spec.SpeculativeMethod):
+        methods |= set(typing.get_args(t)) or {t}
+    if "extract_hidden_states" not in methods:
+        reasons.append("it has no 'extract_hidden_states' speculative method (added in vLLM 0.18)")
+except Exception as e:
+    reasons.append(f"reading its speculative methods failed: {type(e).__name__}: {e}")
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA  # noqa: F401
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec  # noqa: F401
+except Exception as e:
+    reasons.append(f"it lacks the KV connector API our connector plugs into ({type(e).__name__}: {e})")
+try:
+    import vllm.engine.arg_utils as arg_utils
+    out["language_model_only"] = "--language-model-only" in inspect.getsource(arg_utils)
+except Exception:
+    out["language_model_only"] = False
+try:
+    if cls is not None:
+        from vllm.model_executor.models.registry import ModelRegistry
+        # the backbone doing the capture: this class's module, and any text model it builds by architecture
+        src = inspect.getsource(_sys.modules[cls.__module__])
+        inner = [cls]
+        for name in [text_arch] + re.findall(r"architectures=\[\s*[\"'](\w+)[\"']", src):
+            c = ModelRegistry._try_load_model_cls(name)
+            if c is not None and c not in inner:
+                inner.append(c)
+        srcs = {c.__module__: inspect.getsource(_sys.modules[c.__module__]) for c in inner}
+        captures = [m for m, s in srcs.items() if "aux_hidden_state_layers" in s or "_maybe_add_hidden_state(" in s]
+        final = [m for m in captures if re.search(
+            r"end_layer\s+in\s+self\.aux_hidden_state_layers|len\(self\.layers\)\s+in\s+self\.aux_hidden_state_layers"
+            r"|_maybe_add_hidden_state\([^)]*idx\s*\+\s*1", srcs[m])]
+        out["capture_modules"] = captures
+        if not captures:
+            reasons.append(f"no module of {cls.__qualname__} captures aux hidden states")
+        elif not final:
+            reasons.append(f"its backbone ({', '.join(captures)}) does not return the final layer's state for a "
+                           f"capture id equal to num_hidden_layers (fixed in vLLM PR #46973): the shards would lack "
+                           f"the final hidden state")
+        out["final_layer_capture"] = bool(final)
+except Exception as e:
+    reasons.append(f"reading the target class's capture code failed: {type(e).__name__}: {e}")
+''')
+
+
+def extract_command(python: str, target: str, port: int, *, layer_ids: list[int], root: str, aux_columns: list[int],
+                    final_column: int, part_bytes: int, io_threads: int, dtype: str, max_model_len: int,
+                    tensor_parallel_size: int, data_parallel_size: int, seed: int, extra: list[str]) -> list[str]:
+    """The target served for extraction: the `extract_hidden_states` method capturing `layer_ids` (vLLM's
+    numbering), our connector writing under `root`. Prefix caching is off (it shortens dumps in some
+    releases) and a whole sample fits one forward step (no chunked prefill across steps)."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"root": root, "aux_columns": aux_columns, "final_column": final_column,
+                                        "part_bytes": int(part_bytes), "io_threads": int(io_threads)}}
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max(max_model_len, 2048)), "--seed", str(seed),
+            "--tensor-parallel-size", str(tensor_parallel_size), "--data-parallel-size", str(data_parallel_size),
+            "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec),
+            "--kv-transfer-config", json.dumps(kv)] + list(extra)

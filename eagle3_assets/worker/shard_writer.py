@@ -1,0 +1,104 @@
+"""Part files of a hidden-state shard, written while the producer keeps computing: samples' states are
+copied once into reusable part buffers (pinned when the producer is a GPU), full parts go to a thread pool
+that writes and hashes them. Used in-process by the hf extractor and inside the vLLM engine by our KV
+connector, so it imports neither pyarrow nor anything of the engine."""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .shard_format import write_part
+
+
+@dataclass
+class Sample:
+    row: int
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class _Part:
+    def __init__(self, cap_tokens: int, hidden: int, dtype, pin: bool):
+        import torch
+
+        self.aux = torch.empty((cap_tokens, 3 * hidden), dtype=dtype, pin_memory=pin)
+        self.final = torch.empty((cap_tokens, hidden), dtype=dtype, pin_memory=pin)
+        self.ids = torch.empty((cap_tokens,), dtype=torch.int64)
+        self.mask = torch.empty((cap_tokens,), dtype=torch.uint8)
+        self.cap = cap_tokens
+        self.reset()
+
+    def reset(self):
+        self.used, self.rows, self.event = 0, [], None
+
+
+class ShardWriter:
+    """Fills part buffers batch by batch; full parts go to a thread pool that writes and hashes them."""
+
+    def __init__(self, out_dir: Path, hidden: int, dtype, part_tokens: int, io_threads: int, pin: bool,
+                 prefix: str = "part-"):
+        self.out_dir, self.hidden, self.prefix = out_dir, hidden, prefix
+        self.pool = ThreadPoolExecutor(max_workers=io_threads)
+        self.free: queue.Queue[_Part] = queue.Queue()
+        for _ in range(io_threads + 1):  # one being filled while io_threads are written
+            self.free.put(_Part(part_tokens, hidden, dtype, pin))
+        self.cur = self.free.get()
+        self.futures: list[Future] = []
+        self.files: list[dict] = []
+        self.index: list[dict] = []
+        self.part_no = 0
+
+    def add(self, batch: list[Sample], lengths: list[int], aux, final) -> None:
+        """aux/final: valid tokens of the batch on the device, samples in `batch` order."""
+        import torch
+
+        n = aux.shape[0]
+        if self.cur.used + n > self.cur.cap:
+            self.flush()
+        p, o = self.cur, self.cur.used
+        p.aux[o: o + n].copy_(aux, non_blocking=True)
+        p.final[o: o + n].copy_(final, non_blocking=True)
+        off = o
+        for s, ln in zip(batch, lengths):
+            p.ids[off: off + ln] = torch.tensor(s.input_ids[:ln], dtype=torch.int64)
+            p.mask[off: off + ln] = torch.tensor(s.loss_mask[:ln], dtype=torch.uint8)
+            p.rows.append({"row": s.row, "id": s.id, "offset": off, "length": ln,
+                           "loss_tokens": int(sum(s.loss_mask[:ln]))})
+            off += ln
+        p.used = off
+        if aux.is_cuda:
+            p.event = torch.cuda.Event()
+            p.event.record()
+
+    def flush(self) -> None:
+        p = self.cur
+        if p.used == 0:
+            return
+        name = f"{self.prefix}{self.part_no:04d}.safetensors"
+        self.part_no += 1
+        for r in p.rows:
+            r["part"] = name
+        self.index.extend(p.rows)
+        self.futures.append(self.pool.submit(self._write, p, name))
+        self.cur = self.free.get()  # blocks while all buffers are being written: back-pressure
+
+    def _write(self, p: _Part, name: str) -> dict:
+        try:
+            if p.event is not None:
+                p.event.synchronize()
+            t = p.used
+            tensors = {"input_ids": p.ids[:t], "loss_mask": p.mask[:t], "aux": p.aux[:t], "final": p.final[:t]}
+            nbytes, digest = write_part(self.out_dir / name, tensors)
+            return {"name": name, "bytes": nbytes, "sha256": digest, "tokens": t}
+        finally:
+            p.reset()
+            self.free.put(p)
+
+    def close(self) -> None:
+        self.flush()
+        self.files = [f.result() for f in self.futures]  # re-raises a failed write
+        self.pool.shutdown()

