@@ -103,3 +103,105 @@ def test_sglang_missing_on_the_host_is_a_clear_error_in_seconds(built, tmp_path)
     assert done.returncode != 0
     assert "sglang is not installed for" in done.stderr and "pip install 'sglang[all]'" in done.stderr
     assert time.monotonic() - t < 60
+
+
+# ---- SGLang's hidden-state capture (worker/sglang_capture.py) against the source of the release it targets ----
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+SGLANG_SRC = Path(__file__).resolve().parents[1] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
+needs_sglang_src = pytest.mark.skipif(not SGLANG_SRC.exists() and os.environ.get("CI") != "true",
+                                      reason="the SGLang 0.5.14 source is fetched by `.ci/setup --tests`")
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8-sig"))  # some of its files start with a BOM
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _params(fn: ast.FunctionDef) -> set[str]:
+    a = fn.args
+    return {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _calls(func_name: str) -> list[set[str]]:
+    """The keyword names of every call to `func_name` in our capture code."""
+    ours = _tree(Path(__file__).resolve().parents[1] / "eagle3_assets" / "worker" / "sglang_capture.py")
+    out = []
+    for n in ast.walk(ours):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name == func_name:
+                out.append({k.arg for k in n.keywords if k.arg})
+    assert out, f"no call to {func_name} in sglang_capture.py"
+    return out
+
+
+@needs_sglang_src
+def test_our_sglang_capture_calls_only_what_sglang_0_5_14_defines():
+    srt = SGLANG_SRC / "srt"
+    runner = _class(_tree(srt / "model_executor" / "model_runner.py"), "ModelRunner")
+    for kw in _calls("ModelRunner"):
+        assert kw <= _params(_method(runner, "__init__")), kw - _params(_method(runner, "__init__"))
+    for m in ("alloc_memory_pool", "init_attention_backends", "init_cuda_graphs", "forward"):
+        _method(runner, m)
+    server_args = _class(_tree(srt / "server_args.py"), "ServerArgs")
+    fields = {n.target.id for n in server_args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    for kw in _calls("ServerArgs"):
+        assert kw <= fields, kw - fields
+    _method(_class(_tree(srt / "server_args.py"), "PortArgs"), "init_new")
+    sched = _tree(srt / "managers" / "schedule_batch.py")
+    req = _class(sched, "Req")
+    for kw in _calls("Req"):
+        assert kw <= _params(_method(req, "__init__"))
+    _method(req, "set_extend_input_len")
+    for kw in _calls("init_new"):
+        if "reqs" in kw:
+            assert kw <= _params(_method(_class(sched, "ScheduleBatch"), "init_new"))
+    _method(_class(sched, "ScheduleBatch"), "prepare_for_extend")
+    fbi = _tree(srt / "model_executor" / "forward_batch_info.py")
+    assert "FULL" in {t.id for n in _class(fbi, "CaptureHiddenMode").body if isinstance(n, ast.Assign) for t in n.targets}
+    lp = (srt / "layers" / "logits_processor.py").read_text()
+    # FULL capture returns the concatenated aux states of every token, in layer order
+    assert "capture_hidden_mode.is_full()" in lp and "torch.cat(aux_hidden_states, dim=-1)" in lp
+    for model in ("llama.py", "deepseek_v2.py"):
+        src = (srt / "models" / model).read_text()
+        assert "self.layers_to_capture" in src and "self.capture_aux_hidden_states" in src
+        assert "self.norm(hidden_states, residual)" in src  # the final norm's residual output: the pre-norm state
+        assert "if i in self.layers_to_capture" in src  # captured at the loop's top: the input of layer i
+    assert "self.language_model" in (srt / "models" / "kimi_k25.py").read_text()
+
+
+@needs_sglang_src
+def test_sglang_model_classes_that_read_layer_ids_by_their_first_id_are_the_ones_we_know():
+    """sglang.FIRST_ID_RULE: the model types whose set_eagle3_layers_to_capture adds 1 only when the first id
+    is 1 (sglang PR #25454), found in SGLang's source rather than remembered."""
+    odd = set()
+    for f in sorted((SGLANG_SRC / "srt" / "models").glob("*.py")):
+        tree = _tree(f)
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name == "set_eagle3_layers_to_capture" \
+                    and "layer_ids[0] == 1" in ast.unparse(fn):
+                odd.add(f.stem)
+    assert odd == {"deepseek_v2", "glm4_moe_lite"}
+    assert {"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"} == set(sglang.FIRST_ID_RULE)
+    # and ours follows it: a Kimi export of the default ids means output-of-layer to every release
+    assert sglang.captured_layers([1, 29, 57], "kimi_k2") == [1, 29, 57]
+    assert sglang.captured_layers([2, 30, 58], "kimi_k2") == [1, 29, 57]
+    assert sglang.captured_layers([2, 30, 58], "llama") == [2, 30, 58]
+
+
+def test_sglang_capture_layer_translation():
+    # SGLang captures a layer's input (ours + 1); the last layer's output is the final state
+    assert sglang.capture_layers([1, 29, 57], 61) == ([2, 30, 58], [0, 1, 2], 3)
+    assert sglang.capture_layers([1, 14, 29], 30) == ([2, 15], [0, 1, 2], 2)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from conftest import failure_text
 from eagle3_assets.worker.engines import vllm as vllm_engine
 from eagle3_assets.worker.errors import StageError
-from eagle3_assets.worker.extract_vllm import loss_spans, validate_dump
+from eagle3_assets.worker.engine_dump import loss_spans, mask_from_spans, validate_dump
 from eagle3_assets.worker.shard_writer import Sample
 
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
@@ -131,8 +131,6 @@ def test_layer_ids_translate_between_our_convention_and_vllms():
 
 def test_loss_mask_travels_as_spans():
     assert loss_spans([0, 1, 1, 0, 0, 1]) == [[1, 3], [5, 6]]
-    from eagle3_assets.worker.engines.vllm_connector import mask_from_spans  # noqa: PLC0415 (imports vLLM)
-
     assert mask_from_spans(6, [[1, 3], [5, 6]]) == [0, 1, 1, 0, 0, 1]
 
 
@@ -300,3 +298,31 @@ def test_host_preflight_asks_the_installed_vllm_whether_it_can_extract_and_serve
     meta = built.latest("host_preflight")
     assert meta["vllm_extract_supported"] is True and meta["vllm_serve_supported"] is True
     assert meta["vllm_version"] == vllm.__version__
+
+
+@_needs_vllm
+def test_a_kimi_k25_style_moe_target_extracts_through_vllm_as_through_transformers(built, tmp_path):
+    """The story's class of target, tiny (tests/tiny_targets.py: a kimi_k25 wrapper around a DeepSeek-V3
+    text model, MLA, MoE, Kimi's vocab, language_model.* names): vLLM's CPU build serves it text-only with
+    our connector, and its shard equals the hf backend's layer by layer."""
+    from tiny_targets import save_kimi_k25_like
+
+    kimi = save_kimi_k25_like(tmp_path / "tiny-kimi-k25")
+    common = {"target": str(kimi.path), "conversations": "conversations/conversations.parquet", "shard": 0,
+              "samples_per_shard": 3, "dtype": "float32"}
+    for backend in ("hf", "vllm"):
+        done = _stage(built.workdir, "extract", {**common, "backend": backend, "out_dir": str(tmp_path / backend),
+                                                  "ready_timeout_s": 900})
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "--language-model-only" in next((tmp_path / "vllm" / ".logs").glob("*.log")).read_text().splitlines()[0]
+    manifest = json.loads((tmp_path / "vllm" / "shard-00000" / "manifest.json").read_text())
+    assert manifest["engine_model_class"].endswith("KimiK25ForConditionalGeneration")
+    assert manifest["aux_layer_ids"] == [1, 3, 4] and manifest["capture_ids"] == [2, 4, 5, 8]
+    a, b = _rows(tmp_path / "hf" / "shard-00000"), _rows(tmp_path / "vllm" / "shard-00000")
+    H = manifest["hidden_size"]
+    assert a.keys() == b.keys()
+    for sid in a:
+        assert torch.equal(a[sid]["input_ids"], b[sid]["input_ids"])
+        for x, y in [(a[sid]["aux"][:, k * H:(k + 1) * H], b[sid]["aux"][:, k * H:(k + 1) * H]) for k in range(3)] + \
+                [(a[sid]["final"], b[sid]["final"])]:
+            assert torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).min().item() >= 0.9999

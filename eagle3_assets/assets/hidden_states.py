@@ -12,11 +12,12 @@ OUT_DIR = "hidden_states"
 
 
 class HiddenStatesConfig(dg.Config):
-    backend: Literal["hf", "vllm"] = Field(
+    backend: Literal["hf", "vllm", "sglang"] = Field(
         default="hf", description="hf: a transformers forward in the worker, the whole target on one device (targets "
                                   "one GPU holds); vllm: the target served by vLLM on the host with tensor/data "
-                                  "parallelism and our KV connector writing the shard (targets no single GPU holds)")
-    engine_python: Optional[str] = Field(default=None, description="vllm: the host Python with vLLM installed")
+                                  "parallelism and our KV connector writing the shard (targets no single GPU holds); "
+                                  "sglang: SGLang's model runner, tensor/data parallel (held to SGLang 0.5.14, not run here)")
+    engine_python: Optional[str] = Field(default=None, description="vllm/sglang: the host Python with the engine")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs per engine (8 for Kimi-K2.5 on 8xH200)")
     data_parallel_size: int = Field(default=1, ge=1, description="vllm: engines on the host, each tensor_parallel_size GPUs")
     extra_args: list[str] = Field(default=[], description="vllm: more server arguments (--gpu-memory-utilization ...)")

@@ -20,9 +20,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     if engine is None or purpose not in PURPOSES:
         raise StageError(f"engine must be one of {sorted(ENGINES)} and purpose one of {sorted(PURPOSES)}; got "
                          f"{args.get('engine')!r}, {purpose!r}")
-    probe = engine.SUPPORT_PROBE if purpose == "serve" else getattr(engine, "EXTRACT_PROBE", None)
-    if probe is None:
-        raise StageError(f"{engine.NAME} has no hidden-state extraction backend here: use vllm")
+    probe = engine.SUPPORT_PROBE if purpose == "serve" else engine.EXTRACT_PROBE
     info = check_support(engine, args.get("engine_python") or sys.executable, resolve(workdir, args["target"]),
                          probe=probe, purpose=PURPOSES[purpose])
     reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "

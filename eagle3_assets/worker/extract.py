@@ -147,7 +147,7 @@ def load_samples(conversations: Path, shard: int, samples_per_shard: int, max_le
     return samples, truncated
 
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "sglang")
 
 
 def run(workdir: str, args: dict, reporter) -> None:
@@ -203,10 +203,13 @@ def run(workdir: str, args: dict, reporter) -> None:
             engine = {"engine": "transformers", "engine_version": _version("transformers"),
                       "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
         else:
-            from .extract_vllm import extract
+            if backend == "vllm":
+                from .extract_vllm import extract
+            else:
+                from .extract_sglang import extract
 
             reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
-                         f"({LAYER_CONVENTION}) + final pre-norm, through vLLM")
+                         f"({LAYER_CONVENTION}) + final pre-norm, through {backend}")
             files, index, engine = extract(target, samples, tmp, aux_layers, num_layers, {**args, "dtype": dtype},
                                            reporter, f"extract {name}")
             engine["dtype"] = dtype

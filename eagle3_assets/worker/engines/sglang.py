@@ -86,3 +86,57 @@ def captured_layers(ids: list[int], model_type: str) -> list[int]:
     if model_type in FIRST_ID_RULE and ids and ids[0] != 1:
         return [int(i) - 1 for i in ids]
     return list(ids)
+
+
+# ---------------- hidden-state extraction (worker/sglang_capture.py) ----------------
+
+def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
+    """SGLang's `layers_to_capture` for our aux layers (it captures a layer's input: ours + 1; an id of
+    num_layers never matches its loop, so the last layer's output comes from the final-state hook), and
+    where each of ours lands among [captured..., final]."""
+    ids = sorted({i + 1 for i in aux} - {num_layers})
+    final = len(ids)
+    return ids, [ids.index(i + 1) if i + 1 != num_layers else final for i in aux], final
+
+
+# Whether the installed SGLang has what worker/sglang_capture.py drives, from its own code.
+EXTRACT_PROBE = support_probe("sglang", r'''
+try:
+    import dataclasses
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.server_args import ServerArgs, PortArgs
+    params = set(inspect.signature(ModelRunner.__init__).parameters)
+    need = {"model_config", "mem_fraction_static", "gpu_id", "tp_rank", "tp_size", "moe_ep_rank", "moe_ep_size",
+            "pp_rank", "pp_size", "nccl_port", "server_args"}
+    if need - params:
+        reasons.append(f"its ModelRunner takes no {sorted(need - params)}")
+    for m in ("alloc_memory_pool", "init_attention_backends", "init_cuda_graphs", "forward"):
+        if not hasattr(ModelRunner, m):
+            reasons.append(f"its ModelRunner has no {m}()")
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    for f in ("disable_radix_cache", "chunked_prefill_size", "disable_cuda_graph", "tp_size", "random_seed"):
+        if f not in fields:
+            reasons.append(f"its ServerArgs has no {f}")
+    if not hasattr(CaptureHiddenMode, "FULL") or not hasattr(Req, "set_extend_input_len"):
+        reasons.append("it lacks CaptureHiddenMode.FULL or Req.set_extend_input_len (the capture path of 0.5.14)")
+    from sglang.srt.models.registry import ModelRegistry
+    cls = ModelRegistry.models.get(arch)
+    if cls is None:
+        reasons.append(f"it has no model class for the architecture {arch!r}")
+    else:
+        out["model_class"] = f"{cls.__module__}.{cls.__qualname__}"
+        import importlib
+        src = inspect.getsource(sys.modules[cls.__module__])
+        # the capture lives in the text model's module: the text architecture's, or one this module imports
+        names = set(re.findall(r"from (sglang\.srt\.models\.\w+) import", src))
+        inner = ModelRegistry.models.get(text_arch)
+        if inner is not None:
+            names.add(inner.__module__)
+        srcs = src + "".join(inspect.getsource(importlib.import_module(n)) for n in sorted(names))
+        if "layers_to_capture" not in srcs or "capture_aux_hidden_states" not in srcs:
+            reasons.append(f"its {cls.__qualname__} has no aux hidden-state capture (layers_to_capture)")
+except Exception as e:
+    reasons.append(f"reading its model runner failed: {type(e).__name__}: {e}")
+''')

@@ -17,8 +17,6 @@ which is the final state, so the translation between conventions lives in one pl
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
+from ..engine_dump import mask_from_spans, parts_file, write_parts
 from ..shard_writer import Sample, ShardWriter
 
 if TYPE_CHECKING:
@@ -39,17 +38,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 KEY = "eagle3"
-
-
-def parts_file(dp_rank: int) -> str:
-    return f"engine-parts-d{dp_rank}.json"
-
-
-def mask_from_spans(length: int, spans: list[list[int]]) -> list[int]:
-    mask = [0] * length
-    for a, b in spans:
-        mask[a:b] = [1] * (max(0, min(b, length) - a))
-    return mask
 
 
 @dataclass
@@ -172,20 +160,8 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
         self._events[p.req_id] = w.cur.event
 
     def _flush(self, name: str, nonce: str) -> None:
-        out = {"nonce": nonce, "dp_rank": self.dp_rank, "files": [], "index": [], "problems": []}
-        w = self._writers.pop(name, None)
-        if w is not None:
-            try:
-                w.close()
-                out.update(files=w.files, index=w.index)
-            except Exception as ex:  # a failed write (full disk...): the client fails the shard with this
-                out["error"] = f"{type(ex).__name__}: {ex}"
-            out["problems"] = self._problems.pop(name, [])
-        path = self.root / name / parts_file(self.dp_rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{path.name}")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, path)
+        write_parts(self.root / name / parts_file(self.dp_rank), nonce, self.dp_rank, self._writers.pop(name, None),
+                    self._problems.pop(name, []))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata():
