@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 BUNDLED = "bundled"
@@ -69,6 +70,16 @@ def iter_records(source: str) -> Iterator[tuple[str, dict]]:
         text = resources.files("eagle3_assets").joinpath(SHIPPED[source]).read_text("utf-8")
         yield from _jsonl_lines(f"{source} prompts", io.StringIO(text))
         return
+    try:
+        yield from _file_records(source)
+    except PromptError:
+        raise
+    except (OSError, EOFError, ValueError, pa.ArrowException) as e:  # a damaged gzip, Parquet file, encoding...
+        raise PromptError(f"prompt source {source!r} cannot be read ({type(e).__name__}: {e}): check that the file is "
+                          "complete and what its name says (.json, .jsonl, .parquet, optionally .gz)") from e
+
+
+def _file_records(source: str) -> Iterator[tuple[str, dict]]:
     name = source.lower().removesuffix(".gz")
     with _open(source) as raw:
         f = gzip.open(raw) if source.lower().endswith(".gz") else raw
@@ -92,7 +103,16 @@ def iter_records(source: str) -> Iterator[tuple[str, dict]]:
 
 
 def _jsonl_lines(source: str, lines) -> Iterator[tuple[str, dict]]:
-    for n, line in enumerate(lines, start=1):
+    n, it = 0, iter(lines)
+    while True:
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as e:  # decoded by the chunk: the bad byte is on this line or a later one
+            raise PromptError(f"{source}, line {n + 1} or after: not UTF-8 text ({e.reason}); re-encode the file as "
+                              "UTF-8") from e
+        n += 1
         if not line.strip():
             continue
         try:
@@ -124,7 +144,13 @@ def to_messages(rec, place: str) -> list[dict]:
         r = ROLES.get(str(role).lower())
         if r is None:
             raise PromptError(f"{place}: unknown role {role!r}; roles must be one of {sorted(ROLES)}")
-        out.append({"role": r, "content": "" if content is None else str(content)})
+        text = "" if content is None else str(content)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate from a JSON escape: no Parquet file can hold it
+            raise PromptError(f"{place}: text that is not valid Unicode ({e.reason} at character {e.start} of a "
+                              f"{r} turn); fix that record, or set on_bad_record='skip'") from e
+        out.append({"role": r, "content": text})
     return out
 
 

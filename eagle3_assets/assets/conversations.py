@@ -19,14 +19,16 @@ class ConversationsConfig(dg.Config):
     engine_python: Optional[str] = Field(default=None, description="server backends: the host Python with the engine")
     extra_args: list[str] = Field(default=[], description="server backends: more server arguments")
     env: dict[str, str] = Field(default={}, description="server backends: server environment")
-    max_new_tokens: int = Field(default=256, description="per assistant turn")
-    temperature: float = Field(default=0.0, description="0 = greedy, matching greedy serving and offline acceptance")
-    top_p: float = 1.0
+    max_new_tokens: int = Field(default=256, gt=0, description="per assistant turn")
+    temperature: float = Field(default=0.0, ge=0, description="0 = greedy, matching greedy serving and offline "
+                               "acceptance")
+    top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int = 0
-    batch_size: int = Field(default=32, description="conversations generated together")
-    max_prompt_tokens: int = Field(default=2048, description="a conversation whose history grows past this ends there")
-    limit: Optional[int] = Field(default=None, description="regenerate only the first N training conversations")
-    samples_per_shard: int = Field(default=64, description="conversations per hidden_state_shards partition")
+    batch_size: int = Field(default=32, gt=0, description="conversations generated together")
+    max_prompt_tokens: int = Field(default=2048, gt=0, description="a conversation whose history grows past this "
+                                   "ends there")
+    limit: Optional[int] = Field(default=None, gt=0, description="regenerate only the first N training conversations")
+    samples_per_shard: int = Field(default=64, gt=0, description="conversations per hidden_state_shards partition")
     dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
 
 

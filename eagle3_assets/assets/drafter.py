@@ -4,6 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from ..hosts import GpuHost
+from ..worker.files import PLAIN_NAME
 from .hidden_states import OUT_DIR as SHARDS_DIR
 from .partitions import shard_partitions
 from .prompts import PROMPT_SETS
@@ -15,17 +16,19 @@ EXPORT_DIR = "exports"
 
 
 class DrafterConfig(dg.Config):
-    run_name: str = Field(default="default", description="output under drafter/<run_name>; a rerun with the same "
-                          "name and settings resumes from its last checkpoint")
+    # Pydantic checks these bounds as the step starts, before the asset runs anything: Dagster's config schema
+    # (what the launchpad checks) carries types only.
+    run_name: str = Field(default="default", pattern=PLAIN_NAME, description="output under drafter/<run_name>, a plain "
+                          "name (letters, digits, -_.); a rerun with the same name, inputs and settings resumes")
     init_from: Optional[str] = Field(default=None, description="an existing EAGLE-3 checkpoint directory on the host "
                                      "to finetune; its draft vocab and aux layers are reused")
-    epochs: int = 3
-    lr: float = 1e-4
-    warmup_ratio: float = 0.015
-    max_grad_norm: float = 0.5
-    ttt_steps: int = Field(default=7, description="training-time-test unroll length")
-    row_tokens: int = Field(default=2048, description="tokens per packed row")
-    rows_per_batch: int = 4
+    epochs: int = Field(default=3, gt=0)
+    lr: float = Field(default=1e-4, gt=0)
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
+    max_grad_norm: float = Field(default=0.5, gt=0)
+    ttt_steps: int = Field(default=7, gt=0, description="training-time-test unroll length")
+    row_tokens: int = Field(default=2048, gt=0, description="tokens per packed row")
+    rows_per_batch: int = Field(default=4, gt=0)
     seed: int = 0
     loss_on: Literal["responses", "all"] = Field(default="all", description="tokens that carry loss: the "
                                                  "regenerated replies only, or every token (prompts too)")
@@ -34,23 +37,25 @@ class DrafterConfig(dg.Config):
                                                    "the target's rows and norm, or at random")
     aux_scale: Literal["none", "rms"] = Field(default="none", description="rms: train fc on aux hidden states "
                                               "scaled to unit size per layer (folded into fc on save)")
-    noise_std: float = Field(default=0.0, description="Gaussian noise on the aux hidden states while training, "
-                             "relative to each layer's typical size (regularizes small data sets)")
-    weight_decay: float = 0.0
+    noise_std: float = Field(default=0.0, ge=0, description="Gaussian noise on the aux hidden states while "
+                             "training, relative to each layer's typical size (regularizes small data sets)")
+    weight_decay: float = Field(default=0.0, ge=0)
     loss: Literal["soft", "hard"] = Field(default="soft", description="soft: cross-entropy against the target's "
                                           "distribution over the draft vocab; hard: against its greedy token")
     init_layer: Optional[int] = Field(default=-1, description="start the (last) draft layer from this target decoder "
                                       "layer and earlier draft layers from the ones before it (-1: the last; "
                                       "measured +0.11 acceptance length held out); None: random")
-    layer_lr: float = Field(default=1.0, description="learning-rate multiplier for the draft decoder layers (fc, the "
-                            "final norm and lm_head keep lr); measured +0.065 held-out acceptance length at 3.0")
-    num_layers: int = Field(default=1, description="draft decoder layers; more than 1 serves on vLLM only (SGLang's "
-                            "later draft layers compute another function); measured +0.04 held-out acceptance length at 2")
+    layer_lr: float = Field(default=1.0, ge=0, description="learning-rate multiplier for the draft decoder layers (fc, "
+                            "the final norm and lm_head keep lr); measured +0.065 held-out acceptance length at 3.0")
+    num_layers: int = Field(default=1, gt=0, description="draft decoder layers; more than 1 serves on vLLM only "
+                            "(SGLang's later draft layers compute another function); measured +0.04 held-out "
+                            "acceptance length at 2")
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 matmuls on GPUs and "
                                                       "on CPUs with bf16 instructions")
-    save_every_steps: int = Field(default=0, description="checkpoint every N steps (0: at each epoch end)")
+    save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
-    num_processes: int = Field(default=1, description="GPUs of the host to train on (data parallel, via accelerate)")
+    num_processes: int = Field(default=1, gt=0, description="GPUs of the host to train on (data parallel, via "
+                               "accelerate)")
 
 
 def _shard_dirs(context: dg.AssetExecutionContext) -> list[str]:
@@ -70,7 +75,7 @@ def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu
     hash of the saved weights: every export and benchmark downstream names the exact checkpoint."""
     target = upstream_metadata(context, "target_model")["path"]
     args = {"target": target, "shards": _shard_dirs(context), "vocab": VOCAB,
-            "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump(exclude={"run_name"})}
+            "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump()}  # the worker checks run_name too
     return gpu_host.run_stage(context, "train", args).materialize_result()
 
 
@@ -93,9 +98,9 @@ def drafter_export(context: dg.AssetExecutionContext, config: ExportConfig, gpu_
 
 class OfflineAcceptanceConfig(dg.Config):
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval")
-    num_speculative_tokens: int = 3
-    max_new_tokens: int = 64
-    limit: Optional[int] = Field(default=16, description="prompts evaluated (None: all)")
+    num_speculative_tokens: int = Field(default=3, gt=0)
+    max_new_tokens: int = Field(default=64, gt=0)
+    limit: Optional[int] = Field(default=16, gt=0, description="prompts evaluated (None: all)")
     dtype: Optional[str] = Field(default=None, description="default: float32 on CPU (exact), bfloat16 on GPU")
 
 

@@ -26,12 +26,13 @@ SCHEMA = pa.schema([
 
 
 class PromptsConfig(dg.Config):
-    sources: list[str] = Field(default=[BUNDLED], description="'bundled', 'single-turn' and/or paths or fsspec URLs of ShareGPT, "
-                               "UltraChat or OpenAI-messages files (.json, .jsonl, .parquet, optionally .gz)")
-    eval_fraction: float = Field(default=0.05, description="share held out for evaluation (never trained on)")
-    max_user_turns: int = Field(default=8, description="keep at most this many user turns per conversation")
-    max_message_chars: int = Field(default=8000, description="truncate longer messages")
-    max_train_conversations: Optional[int] = Field(default=None, description="cap on the training split")
+    sources: list[str] = Field(default=[BUNDLED], min_length=1, description="'bundled', 'single-turn' and/or paths "
+                               "or fsspec URLs of ShareGPT, UltraChat or OpenAI-messages files (.json, .jsonl, "
+                               ".parquet, optionally .gz)")
+    eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="share held out for evaluation (never trained on)")
+    max_user_turns: int = Field(default=8, gt=0, description="keep at most this many user turns per conversation")
+    max_message_chars: int = Field(default=8000, gt=0, description="truncate longer messages")
+    max_train_conversations: Optional[int] = Field(default=None, gt=0, description="cap on the training split")
     include_humaneval: bool = Field(default=True, description="also write HumanEval's 164 prompts as an eval set")
     on_bad_record: Literal["fail", "skip"] = Field(default="fail", description="what a malformed record does")
 
@@ -71,11 +72,17 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, gpu_host: 
     if not train:
         raise dg.Failure(description="every conversation went to the eval split: lower eval_fraction or add prompts")
 
+    # Every source is read and every table built before the host's files are touched; each upload lands under
+    # a temporary name and is renamed into place (put_file). train.parquet, which conversations reads, goes
+    # last: a failed upload leaves it as it was (the split is by hash, so an old train and a new eval of the
+    # same eval_fraction never share a conversation).
+    tables = [(EVAL_HUMANEVAL, _table(extra_eval))] if extra_eval else []
+    tables += [(EVAL, _table(evals)), (TRAIN, _table(train))]
     with tempfile.TemporaryDirectory() as tmp:
-        for rel, rows in [(TRAIN, train), (EVAL, evals)] + ([(EVAL_HUMANEVAL, extra_eval)] if extra_eval else []):
-            local = Path(tmp) / Path(rel).name
-            pq.write_table(_table(rows), local)
-            gpu_host.put_file(str(local), rel)
+        for rel, table in tables:
+            pq.write_table(table, Path(tmp) / Path(rel).name)
+        for rel, _ in tables:
+            gpu_host.put_file(str(Path(tmp) / Path(rel).name), rel)
 
     version = hashlib.sha256(json.dumps([[c.id, c.messages] for c in train], ensure_ascii=False).encode()).hexdigest()
     by_source = Counter(c.source for c in train)

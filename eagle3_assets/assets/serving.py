@@ -1,5 +1,5 @@
 import time
-from typing import Optional
+from typing import Annotated, Optional
 
 import dagster as dg
 from pydantic import Field
@@ -30,19 +30,20 @@ INSPECT = [
 class ServingBenchmarkConfig(dg.Config):
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval; the offline "
                                                        "reference must use the same for the consistency check")
-    limit: Optional[int] = Field(default=16, description="prompts sent (None: all), as offline_acceptance's limit")
-    max_new_tokens: int = Field(default=64, description="per request, as offline_acceptance's")
-    num_speculative_tokens: int = 3
-    concurrencies: list[int] = Field(default=[1, 8], description="requests in flight, one measurement each")
+    limit: Optional[int] = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
+    max_new_tokens: int = Field(default=64, gt=0, description="per request, as offline_acceptance's")
+    num_speculative_tokens: int = Field(default=3, gt=0)
+    concurrencies: list[Annotated[int, Field(gt=0)]] = Field(default=[1, 8], min_length=1,
+                                                             description="requests in flight, one measurement each")
     dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
-    max_model_len: int = 4096
+    max_model_len: int = Field(default=4096, gt=0)
     engine_python: Optional[str] = Field(default=None, description="the host Python with the engine installed "
                                                                     "(default: the worker's)")
     extra_args: list[str] = Field(default=[], description="more server arguments, passed through as given")
     env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
-    ready_timeout_s: float = Field(default=1200.0, description="fail if the server is not healthy by then")
+    ready_timeout_s: float = Field(default=1200.0, gt=0, description="fail if the server is not healthy by then")
     baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
-    min_ratio_to_offline: float = Field(default=0.7, description="engine acceptance length below this fraction "
+    min_ratio_to_offline: float = Field(default=0.7, ge=0, description="engine acceptance length below this fraction "
                                                                  "of offline_acceptance's fails the check")
 
 

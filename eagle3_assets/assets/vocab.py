@@ -9,7 +9,7 @@ OUT = "vocab/vocab_mapping.safetensors"
 
 
 class VocabConfig(dg.Config):
-    draft_vocab_size: int = Field(default=32000, description="capped at the target's vocab size")
+    draft_vocab_size: int = Field(default=32000, gt=0, description="capped at the target's vocab size")
 
 
 @dg.asset(group_name="data", kinds={"safetensors"}, deps=["conversations", "target_model"], code_version="1")

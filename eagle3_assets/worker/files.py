@@ -5,13 +5,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from .errors import StageError
+
+
+# A name that becomes one directory under the host work directory: letters, digits, '-', '_', and dots only
+# between them (no '.', '..', hidden names or separators). Also the pattern of the Dagster configs' names.
+PLAIN_NAME = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
+
+
+def check_plain_name(name, what: str) -> str:
+    if not isinstance(name, str) or not re.fullmatch(PLAIN_NAME, name):
+        raise StageError(f"{what} {name!r} is not a plain name: use letters, digits, '-', '_' and single dots between "
+                         "them, no '..' and no '/' (it names one directory under the host work directory)")
+    return name
 
 
 def resolve(workdir: str, path: str) -> Path:
@@ -90,3 +104,10 @@ def require_file(path: Path, what: str, hint: str) -> Path:
 def write_json(path: Path, obj) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def quarantine(path: Path) -> Path:
+    """Move an unreadable file aside as `<name>.corrupt-<time>` (kept for inspection, never overwritten)."""
+    dest = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    os.replace(path, dest)
+    return dest

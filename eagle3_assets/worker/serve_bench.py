@@ -8,6 +8,11 @@ server without speculation.
    read acceptance from the engine itself, stop the server and its whole process group.
 3. Figures per concurrency: output tokens/s, TTFT, TPOT, acceptance length/rate/per position, speedup;
    one row per measurement appended to a Parquet history; greedy outputs compared with the baseline.
+
+The history is read before any server starts. One that cannot be read is moved aside as
+`<name>.corrupt-<time>` (bytes untouched) and a new one started, with a warning in the log and in the
+metadata: it is a convenience copy on the host (Dagster's records hold every result, and benchmark_history
+rebuilds from them), so failing every later (nightly) benchmark over it would lose measurements, not save any.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .chat import first_turn_prompt
 from .engines import load, sglang, vllm
 from .engines.server import EngineServer, free_port
 from .errors import StageError
-from .files import atomic_file, require_file, resolve
+from .files import atomic_file, quarantine, require_file, resolve
 from .target import load_tokenizer
 
 ENGINES = {"vllm": vllm, "sglang": sglang}
@@ -119,6 +124,9 @@ def run(workdir: str, args: dict, reporter) -> None:
     concurrencies = [int(c) for c in args.get("concurrencies", [1, 8])]
     out_dir = resolve(workdir, args["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    history = resolve(workdir, args["history"])
+    moved: list[str] = []
+    read_history(history, reporter, moved)  # in seconds, before any server: not after every measurement
 
     t0 = time.monotonic()
     info = check_support(engine, python, target)
@@ -172,8 +180,10 @@ def run(workdir: str, args: dict, reporter) -> None:
     summary["metadata"].update(dtype_info)
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args["trained_drafter"])
                                             if args.get("trained_drafter") else None, target))
-    _append_history(resolve(workdir, args["history"]), summary["rows"])
+    append_history(history, summary["rows"], reporter, moved)
     meta = summary["metadata"]
+    if moved:
+        meta["history_moved_aside"] = moved
     meta.update(path=str(out_dir), prompts=str(prompts_path), wall_s=round(time.monotonic() - t0, 1))
     version = hashlib.sha256(json.dumps(summary["rows"], sort_keys=True, default=str).encode()).hexdigest()[:32]
     reporter.materialize(metadata=meta, data_version=version)
@@ -223,11 +233,32 @@ def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
     return {"rows": rows, "metadata": meta}
 
 
-def _append_history(path: Path, rows: list[dict]) -> None:
+def _set_aside(path: Path, why: str, reporter, moved: list[str]) -> None:
+    kept = quarantine(path)
+    moved.append(str(kept))
+    reporter.log(f"benchmark history {path} {why}: moved aside to {kept} (unchanged, to inspect or repair) and "
+                 "starting a new history; every result is also in Dagster's records (benchmark_history)", "warning")
+
+
+def read_history(path: Path, reporter, moved: list[str]) -> pa.Table | None:
+    """The history so far (None: none yet); an unreadable one is set aside (see the module's docstring)."""
+    if not path.exists():
+        return None
+    try:
+        return pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        _set_aside(path, f"cannot be read ({type(e).__name__}: {e})", reporter, moved)
+        return None
+
+
+def append_history(path: Path, rows: list[dict], reporter, moved: list[str]) -> None:
     """One row per measurement, appended (read + write a new file + rename: never a torn history)."""
     table = pa.Table.from_pylist(rows)
-    if path.exists():
-        old = pq.read_table(path)
-        table = pa.concat_tables([old, table], promote_options="permissive")
+    old = read_history(path, reporter, moved)
+    if old is not None:
+        try:
+            table = pa.concat_tables([old, table], promote_options="permissive")
+        except pa.ArrowException as e:  # a column whose type changed: keep both, never drop the new rows
+            _set_aside(path, f"has columns of other types than this result ({e})", reporter, moved)
     with atomic_file(path) as tmp:
         pq.write_table(table, tmp)

@@ -8,7 +8,10 @@ target's norm and lm_head), step weights 0.8^i; positions whose target argmax is
 are masked out of the loss and count as misses in the accuracy.
 
 Resumable: checkpoints hold weights, optimizer, scheduler, step, epoch and the RNG state; the data order is
-a function of (seed, epoch), so a resumed run ends with the same weights as an uninterrupted one.
+a function of (seed, epoch), so a resumed run ends with the same weights as an uninterrupted one. A checkpoint
+resumes only the run it belongs to: its fingerprint covers the content of every input (each shard's file and
+index hashes and aux layers, the vocab, the target's weights, a finetune's start), the hyperparameters and
+the training code; any difference is logged and the run starts afresh, its old checkpoints deleted.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from . import charts
 from .compute_dtype import cpu as cpu_info
 from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
-from .files import resolve, write_json
-from .target import load_config, text_config
+from .files import check_plain_name, hash_files, resolve, sha256_file, write_json
+from .target import load_config, text_config, weight_files
 from .target_head import load_target_head
 from .train_data import ShardSet, collate, plan_batches
 
@@ -210,6 +213,102 @@ def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+# Bounds a value must meet, checked before any work: (key, test, what it must be).
+_BOUNDS = (("epochs", lambda v: v >= 1, "at least 1"), ("ttt_steps", lambda v: v >= 1, "at least 1"),
+           ("row_tokens", lambda v: v >= 1, "at least 1"), ("rows_per_batch", lambda v: v >= 1, "at least 1"),
+           ("num_layers", lambda v: v >= 1, "at least 1"), ("lr", lambda v: v > 0, "positive"),
+           ("max_grad_norm", lambda v: v > 0, "positive"), ("step_decay", lambda v: v > 0, "positive"),
+           ("warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"), ("noise_std", lambda v: v >= 0, "0 or more"),
+           ("weight_decay", lambda v: v >= 0, "0 or more"), ("layer_lr", lambda v: v >= 0, "0 or more"),
+           ("save_every_steps", lambda v: v >= 0, "0 or more"))
+
+
+def check_args(args: dict, hp: dict) -> None:
+    """Refuse what cannot make a sensible run, before anything is read or written: an output that would leave
+    the work directory, and counts or rates out of range (epochs 0 would publish an untrained drafter)."""
+    if ".." in Path(str(args["out"])).parts:
+        raise StageError(f"out {args['out']!r} contains '..': the drafter's directory must not climb out of the "
+                         "place it names (a run_name is a plain name under drafter/)")
+    if args.get("run_name") is not None:
+        check_plain_name(args["run_name"], "run_name")
+    bad = [f"{k} must be {what}, got {hp[k]!r}" for k, ok, what in _BOUNDS
+           if not isinstance(hp[k], (int, float)) or isinstance(hp[k], bool) or not ok(hp[k])]
+    procs = args.get("num_processes") or 1
+    if not isinstance(procs, int) or procs < 1:
+        bad.append(f"num_processes must be at least 1, got {procs!r}")
+    if bad:
+        raise StageError("training settings out of range: " + "; ".join(bad))
+
+
+# The modules whose code decides the trained weights: a change to any of them invalidates a checkpoint.
+_TRAINING_CODE = ("train", "train_data", "drafter", "target_head", "distributed", "checkpoint")
+
+
+def fingerprint(hp: dict, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
+                init_dir: Path | None) -> dict:
+    """What a checkpoint's run was made of, by content, one entry per input (so a mismatch can be named).
+    Cheap: shard contents by the hashes their manifests record (verified against the files by ShardSet),
+    the target's and a finetune start's weights by `hash_files` (cached beside each file), the vocab file
+    (a few MB) read once."""
+    here = Path(__file__).parent
+    code = hashlib.sha256(torch.__version__.encode())
+    for m in _TRAINING_CODE:
+        code.update((here / f"{m}.py").read_bytes())
+    fp = {"hyperparameters": {**{k: hp[k] for k in TRAIN_KEYS}, "bf16_compute": bool(bf16)},
+          "training code": code.hexdigest()[:32],
+          "target weights": hash_files(weight_files(target))[:32],
+          "vocab": sha256_file(vocab)[:32] if vocab is not None else None,
+          "init_from weights": None}
+    if init_dir is not None:
+        from .checkpoint import weights_hash
+
+        fp["init_from weights"] = weights_hash(init_dir) + sha256_file(init_dir / "config.json")[:16]
+    for name, ident in zip(shard_names, data.identity):
+        fp[f"shard {name}"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+    return fp
+
+
+def fingerprint_changes(old, new: dict) -> list[str]:
+    """What differs between two fingerprints, in words; [] = the same run."""
+    if not isinstance(old, dict):
+        return ["the checkpoint format (written by an older version)"]
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) == new.get(k):
+            continue
+        if k == "hyperparameters" and isinstance(old.get(k), dict):
+            keys = sorted(x for x in set(old[k]) | set(new[k]) if old[k].get(x) != new[k].get(x))
+            out.append("hyperparameters (" + ", ".join(f"{x} {old[k].get(x)!r} -> {new[k].get(x)!r}" for x in keys) + ")")
+        elif k not in old or k not in new:
+            out.append(f"{k} ({'added' if k in new else 'removed'})")
+        else:
+            out.append(f"{k} (content)")
+    return out
+
+
+def _resumable(ckpts: Path, fp: dict, device: str, reporter):
+    """The latest checkpoint's state if it belongs to this very run, else None (the reason logged)."""
+    latest = ckpts / "latest.json"
+    if not latest.exists():
+        return None
+    try:
+        info = json.loads(latest.read_text())
+        changes = fingerprint_changes(info.get("fingerprint"), fp)
+        if changes:
+            reporter.log(f"not resuming {ckpts / info['checkpoint']} (step {info.get('step')}): "
+                         f"{'; '.join(changes)} changed since it was written; training afresh", "warning")
+            return None
+        state = torch.load(ckpts / info["checkpoint"] / "training_state.pt", map_location=device, weights_only=False)
+    except Exception as e:  # a damaged checkpoint is not worth failing the run for: it is only a shortcut
+        reporter.log(f"not resuming from {ckpts}: its checkpoint cannot be read ({type(e).__name__}: {e}); "
+                     "training afresh", "warning")
+        return None
+    if fingerprint_changes(state.get("fingerprint"), fp):
+        reporter.log(f"not resuming {ckpts}: its training state disagrees with latest.json; training afresh", "warning")
+        return None
+    return state
+
+
 def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
     tmp = ckpt_dir.with_name(f".tmp-{ckpt_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,7 +319,8 @@ def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
     from .files import replace_dir
 
     replace_dir(tmp, ckpt_dir)
-    write_json(ckpt_dir.parent / "latest.json", {"checkpoint": ckpt_dir.name, **{k: state[k] for k in ("step", "epoch")}})
+    write_json(ckpt_dir.parent / "latest.json",
+               {"checkpoint": ckpt_dir.name, **{k: state[k] for k in ("step", "epoch", "fingerprint")}})
     for old in ckpt_dir.parent.glob("step-*"):  # only the latest is needed to resume
         if old.name != ckpt_dir.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -231,11 +331,12 @@ def run(workdir: str, args: dict, reporter) -> None:
 
     from .distributed import Group, launch
 
+    # None means "the default", except where None is itself a setting (init_layer: None = random init)
+    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and (v is not None or k == "init_layer")}}
+    check_args(args, hp)
     procs = int(args.get("num_processes") or 1)
     if procs > 1 and "RANK" not in os.environ:
         return launch(workdir, args, reporter, procs)
-    # None means "the default", except where None is itself a setting (init_layer: None = random init)
-    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and (v is not None or k == "init_layer")}}
     out = resolve(workdir, args["out"])
     target = resolve(workdir, args["target"])
     tc = text_config(load_config(target))
@@ -261,6 +362,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     shard_dirs = [resolve(workdir, s) for s in args["shards"]]
     head = load_target_head(target, tc.rms_norm_eps)
     init = args.get("init_from")
+    init_dir = vocab_path = None
     if init:
         init_dir = resolve(workdir, init)
         cfg, weights = load_drafter_dir(init_dir, tc)
@@ -273,7 +375,8 @@ def run(workdir: str, args: dict, reporter) -> None:
     else:
         from safetensors.torch import load_file
 
-        vocab = load_file(str(resolve(workdir, args["vocab"])))
+        vocab_path = resolve(workdir, args["vocab"])
+        vocab = load_file(str(vocab_path))
         d2t, t2d = vocab["d2t"], vocab["t2d"]
         if t2d.shape[0] != tc.vocab_size:
             raise StageError(f"vocab mapping {args['vocab']}: field t2d covers {t2d.shape[0]} target ids but the "
@@ -290,6 +393,9 @@ def run(workdir: str, args: dict, reporter) -> None:
         cfg.num_hidden_layers = int(hp["num_layers"])
         weights = None
 
+    if group.is_main:
+        reporter.log(f"hidden-state shards checked: {data.verified_bytes / 1e6:,.1f} MB, every file's sha256 as its "
+                     "manifest records, hidden states finite")
     model = Eagle3Drafter(cfg, head.embed.float())
     if weights is None:
         init_weights(model)
@@ -361,28 +467,23 @@ def run(workdir: str, args: dict, reporter) -> None:
     opt = torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
 
-    # A checkpoint only resumes the run it belongs to: same data, same settings.
-    fingerprint = hashlib.sha256(json.dumps({"hp": {k: hp[k] for k in TRAIN_KEYS}, "shards": [str(s) for s in shard_dirs],
-                                             "refs": len(data.refs), "init": str(init), "target": str(target)},
-                                            sort_keys=True).encode()).hexdigest()[:16]
+    # A checkpoint only resumes the run it belongs to: the same inputs by content, settings and code.
+    fp = fingerprint(hp, bf16, target, data, [str(s) for s in args["shards"]], vocab_path, init_dir)
     ckpts = out / "checkpoints"
     step = 0
-    latest = ckpts / "latest.json"
-    if latest.exists() and args.get("resume", True):
-        info = json.loads(latest.read_text())
-        state = torch.load(ckpts / info["checkpoint"] / "training_state.pt", map_location=device, weights_only=False)
-        if state["fingerprint"] != fingerprint:
-            raise StageError(f"{ckpts} holds a checkpoint of a run with other data or settings: use another output "
-                             "name, or resume=false to start over")
+    state = _resumable(ckpts, fp, device, reporter) if args.get("resume", True) else None
+    group.barrier()  # every rank has decided before rank 0 deletes anything
+    if state is not None:
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         step = state["step"]
-        reporter.log(f"resuming from {info['checkpoint']} (step {step} of {total_steps})")
+        reporter.log(f"resuming from step-{step:07d} (step {step} of {total_steps}): same inputs, settings and code")
     elif ckpts.exists() and group.is_main:
-        shutil.rmtree(ckpts)
+        shutil.rmtree(ckpts)  # another run's weights: never resumed, never published under this run's inputs
     group.barrier()
+    resumed_from = step
 
     steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
     # A fixed probe of the training data, measured before and after: did this run teach the drafter?
@@ -417,6 +518,15 @@ def run(workdir: str, args: dict, reporter) -> None:
                                                             hp["loss"] == "hard")
                     loss.backward()
                     ntok = int((batch["doc"] >= 0).sum())
+                    finite = bool(torch.isfinite(loss.detach()))  # one more sync; the token count syncs anyway
+                else:
+                    finite = True
+                if group.sum(0.0 if finite else 1.0):  # every rank stops together, before the step is applied
+                    raise StageError(
+                        f"the training loss is not finite (NaN or inf) at step {step + 1} of {total_steps} (epoch "
+                        f"{epoch + 1}); nothing was written as the drafter. Lower lr (now {hp['lr']}) or "
+                        f"max_grad_norm, or set precision fp32; checkpoints up to step {step} are kept"
+                        + (f" in {ckpts}" if ckpts.exists() else ""))
                 group.all_reduce_grads(params)
                 torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
                 opt.step()
@@ -444,7 +554,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                 if end_of_epoch or (save_every and step % save_every == 0):
                     if group.is_main:
                         _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
-                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fingerprint})
+                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp})
                     group.barrier()
     wall = time.monotonic() - t0
     after = measure(data, probe, labels, str(hp["loss_on"]))
@@ -452,6 +562,10 @@ def run(workdir: str, args: dict, reporter) -> None:
     model_dir = out / "model"
     if not group.is_main:
         return
+    bad = [k for k, v in model.export_state().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise StageError(f"the trained drafter holds NaN or inf in {', '.join(bad[:5])}: not written to {model_dir}. "
+                         f"Lower lr or set precision fp32, and check the hidden-state shards")
     save_drafter_dir(model, model_dir, target_info={"path": str(target), "model_type": tc.model_type,
                                                     "num_layers": tc.num_hidden_layers})
     from .checkpoint import weights_hash
@@ -467,6 +581,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "draft_vocab_source": f"reused from {init}" if init else str(args.get("vocab")),
         "epochs": int(hp["epochs"]),
         "steps": step,
+        "resumed_from_step": resumed_from,
         "ttt_steps": steps_k,
         "train_tokens_per_epoch": epoch_tokens,
         "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
@@ -489,6 +604,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
         **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
         "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},
+        "fingerprint": fp,
         "training_curve": curve,
         "training_curve_chart": charts.curves({"loss (unroll step 0)": curve["loss_0"],
                                                "accuracy (unroll step 0)": curve["acc_0"]}),

@@ -1,9 +1,16 @@
 """Training batches from hidden-state shards, read through memory maps (the data can be far larger than
 RAM), packed into rows of whole samples, in an order fixed by (seed, epoch) so that a resumed run sees
-exactly the batches an uninterrupted one would."""
+exactly the batches an uninterrupted one would.
+
+Before a single sample is used, every part and index file is checked against the sha256 its manifest
+records, and the hidden states for NaN/inf: once per run, up front. Training reads every token every epoch
+anyway, so one more pass costs at most 1/epochs of its I/O, and a damaged shard then fails in seconds,
+naming the file, instead of hours into a run (or never, as an all-NaN drafter)."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .errors import StageError
+from .files import sha256_file
 from .shard_format import INDEX, read_manifest
 
 
@@ -21,11 +29,22 @@ class Ref:
     length: int
 
 
+def _rerun(d: Path) -> str:
+    return f"rerun hidden_state_shards partition {d.name.removeprefix('shard-')}"
+
+
 class ShardSet:
-    def __init__(self, shard_dirs: list[Path], hidden_size: int, aux_layer_ids: list[int] | None = None):
+    """`verify`: check every file's sha256 against its manifest and the hidden states for NaN/inf (see the
+    module's docstring); `identity`, per shard, is what the training fingerprint compares."""
+
+    def __init__(self, shard_dirs: list[Path], hidden_size: int, aux_layer_ids: list[int] | None = None,
+                 verify: bool = True):
         self.refs: list[Ref] = []
         self.aux_layer_ids = None
+        self.identity: list[dict] = []
+        self.verified_bytes = 0
         self._handles: dict[Path, object] = {}
+        parts: list[tuple[Path, dict, Path]] = []
         for d in shard_dirs:
             m = read_manifest(d)
             if m is None:
@@ -40,20 +59,55 @@ class ShardSet:
             elif list(m["aux_layer_ids"]) != self.aux_layer_ids:
                 raise StageError(f"shard {d} was extracted with aux layers {m['aux_layer_ids']}, others with "
                                  f"{self.aux_layer_ids}: rematerialize all shards with the same aux_layers")
+            if not (m.get("index") or {}).get("sha256") or any(not f.get("sha256") for f in m["files"]):
+                raise StageError(f"{d / 'manifest.json'} records no sha256 for some of its files (written by an "
+                                 f"older version), so they cannot be checked: {_rerun(d)}")
             for f in m["files"]:
                 p = d / f["name"]
                 if not p.exists() or p.stat().st_size != f["bytes"]:
                     raise StageError(f"{p} is missing or not the size its manifest records ({f['bytes']} bytes): "
-                                     "rerun that hidden_state_shards partition")
+                                     f"{_rerun(d)}")
                 self._check_part(p, f["tokens"], hidden_size)
-            for r in pq.read_table(d / INDEX).to_pylist():
+                parts.append((p, f, d))
+            index = d / INDEX
+            if verify and sha256_file(index) != m["index"]["sha256"]:
+                raise StageError(f"{index}: its sha256 differs from the one {d / 'manifest.json'} records: the "
+                                 f"index was rewritten or damaged after extraction, so its samples cannot be trusted; "
+                                 f"{_rerun(d)}")
+            for r in pq.read_table(index).to_pylist():
                 self.refs.append(Ref(d / r["part"], r["offset"], r["length"]))
+            # content identity: the manifest's hashes (checked against the files when verify is on)
+            self.identity.append({"aux_layer_ids": list(m["aux_layer_ids"]), "index": m["index"]["sha256"],
+                                  "files": [[f["name"], f["sha256"]] for f in m["files"]]})
         if aux_layer_ids is not None and self.aux_layer_ids is not None and list(aux_layer_ids) != self.aux_layer_ids:
             raise StageError(f"the drafter reads aux layers {list(aux_layer_ids)} but the hidden states hold layers "
                              f"{self.aux_layer_ids}: rematerialize hidden_state_shards with aux_layers "
                              f"{list(aux_layer_ids)} (output-of-layer convention)")
         if not self.refs:
             raise StageError("the hidden-state shards hold no samples")
+        if verify:
+            # hashlib and torch release the GIL: parts are checked in parallel, the first bad one (in order) raises
+            with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+                list(pool.map(lambda pfd: self._verify_part(*pfd), parts))
+            self.verified_bytes = sum(f["bytes"] for _, f, _ in parts)
+
+    def _verify_part(self, part: Path, f: dict, d: Path, chunk_elems: int = 32 << 20) -> None:
+        got = sha256_file(part)
+        if got != f["sha256"]:
+            raise StageError(f"{part}: sha256 {got[:16]}... differs from {f['sha256'][:16]}... recorded in "
+                             f"{d / 'manifest.json'}: the file changed on disk after extraction (a flipped bit, a partial "
+                             f"copy, an edit); {_rerun(d)}")
+        st = self._handle(part)
+        for name in ("aux", "final"):
+            rows, cols = st.get_slice(name).get_shape()
+            step = max(1, chunk_elems // max(cols, 1))
+            for a in range(0, rows, step):
+                x = st.get_slice(name)[a: a + step]
+                if not bool(torch.isfinite(x).all()):
+                    row = a + int((~torch.isfinite(x)).any(-1).nonzero()[0, 0])
+                    raise StageError(f"{part}: tensor {name!r} holds NaN or inf (first at token row {row}): training on "
+                                     f"it would make the drafter NaN. The target overflowed while extracting (try dtype "
+                                     f"bfloat16 or float32 instead of float16) or the shard is damaged; {_rerun(d)}")
 
     def _handle(self, part: Path):
         from safetensors import safe_open
