@@ -45,10 +45,15 @@ def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
     return 0
 
 
+class _Stopped(BaseException):
+    def __init__(self, sig: int):
+        self.sig = sig
+
+
 def _stop_on(sig: int, _frame) -> None:
     # A cancel (Dagster's SIGTERM to the job's process group) or a lost terminal unwinds the stage like an
     # error, so that its `with` blocks run: engine servers stop, temporary shards are removed.
-    raise SystemExit(128 + sig)
+    raise _Stopped(sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,4 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except _Stopped as stop:  # then die of the signal itself, so supervisors see a stop, not an exit status
+        signal.signal(stop.sig, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.sig)
