@@ -8,8 +8,10 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pyarrow as pa
@@ -288,3 +290,28 @@ def test_worker_refuses_settings_out_of_range_before_any_work(built, tmp_path):
     assert ("epochs must be at least 1, got 0; ttt_steps must be at least 1, got -1; warmup_ratio must be in "
             "[0, 1), got 1.0") in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_stop_that_lands_inside_a_finalizer_still_stops_the_worker():
+    """SIGTERM handled while the main thread runs a `__del__` (Python ignores exceptions there): the worker
+    must still stop and die of the signal, not finish its stage as if never cancelled."""
+    code = textwrap.dedent("""
+        import gc, os, signal, sys, time
+        import eagle3_assets.worker.__main__ as w
+        w.install_stop_handlers()
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100_000))  # the handler runs here, inside the finalizer
+        try:
+            Finalized()
+            gc.collect()
+            time.sleep(10)
+            print("finished the stage regardless")
+        except w._Stopped as stop:
+            signal.signal(stop.sig, signal.SIG_DFL)
+            os.kill(os.getpid(), stop.sig)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "finished the stage regardless" not in proc.stdout
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 
 from .errors import StageError
@@ -56,10 +57,28 @@ def _stop_on(sig: int, _frame) -> None:
     raise _Stopped(sig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = _parse(sys.argv[1:] if argv is None else argv)
+def _stop_again_if_swallowed(unraisable) -> None:
+    # A signal handler runs wherever the main thread is, and inside a finalizer (`__del__`, a weakref callback)
+    # Python prints the exception and carries on: the stop would be lost and the stage would finish as if
+    # never cancelled. Deliver the signal again a moment later, from a thread: sent from here, the handler
+    # would run inside this hook, where an exception is ignored too.
+    if isinstance(unraisable.exc_value, _Stopped):
+        again = threading.Timer(0.05, os.kill, (os.getpid(), unraisable.exc_value.sig))
+        again.daemon = True
+        again.start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def install_stop_handlers() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop_on)
+    sys.unraisablehook = _stop_again_if_swallowed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    install_stop_handlers()
     if "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 
