@@ -52,6 +52,9 @@ class DrafterConfig(dg.Config):
                             "acceptance length at 2")
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 matmuls on GPUs and "
                                                       "on CPUs with bf16 instructions")
+    time_budget_s: Optional[float] = Field(default=None, gt=0, description="train for about this many seconds: "
+                                           "the first steps are timed, then the run is cut to the steps that fit "
+                                           "and the learning-rate schedule planned for them (None: all epochs)")
     save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
     num_processes: int = Field(default=1, gt=0, description="GPUs of the host to train on (data parallel, via "

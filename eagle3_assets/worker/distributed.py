@@ -51,12 +51,18 @@ class Group:
             o += n
 
     def sum(self, x: float) -> float:
+        return self._reduce(x, "SUM")
+
+    def max(self, x: float) -> float:
+        return self._reduce(x, "MAX")
+
+    def _reduce(self, x: float, op: str) -> float:
         if self.world == 1:
             return x
         import torch.distributed as dist
 
         t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         return float(t.item())
 
     def barrier(self) -> None:

@@ -116,6 +116,11 @@ class Progress:
             self._last = now
             self.reporter.log(self.line())
 
+    def set_total(self, total: int) -> None:
+        """The work was replanned (a time budget cut it short): the bar and the ETA follow the new plan."""
+        self.total = self._bar.total = total
+        self._bar.refresh()
+
     @property
     def rate(self) -> float:
         return self.done / max(time.monotonic() - self.start, 1e-9)

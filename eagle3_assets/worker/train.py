@@ -38,11 +38,13 @@ from .train_data import ShardSet, collate, plan_batches
 
 TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
               "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale", "noise_std",
-              "weight_decay", "init_layer", "loss", "layer_lr", "num_layers")
+              "weight_decay", "init_layer", "loss", "layer_lr", "num_layers", "time_budget_s")
 DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_steps=7, row_tokens=2048,
                 rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0, loss_on="all",
                 train_lm_head=True, init_head="target", precision="auto", aux_scale="none", noise_std=0.0,
-                weight_decay=0.0, init_layer=-1, loss="soft", layer_lr=1.0, num_layers=1)
+                weight_decay=0.0, init_layer=-1, loss="soft", layer_lr=1.0, num_layers=1,
+                time_budget_s=None)
+CALIBRATION_STEPS = 6  # steps timed before a time budget plans the run (the first, warming up, not counted)
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -166,6 +168,28 @@ def _lr_lambda(total_steps: int, warmup: int):
     return f
 
 
+def _plan_budget(now: float, t0: float, t_first: float, budget: float, step: int, total: int, group) -> int:
+    """How many steps fit the training time budget, from the calibration steps' pace (every rank agrees: the
+    slowest sets it). 3 % is kept back for the epoch-end checkpoints."""
+    per_step = group.max((now - t_first) / CALIBRATION_STEPS)
+    left = group.max(budget - (now - t0))
+    return max(step + 1, min(total, step + int(0.97 * left / per_step)))
+
+
+def _replan(steps_of: list[list], sched, planned: int, warmup_ratio: float) -> int:
+    """Cut the epoch plans (in place) to their first `planned` steps and schedule the learning rate for that
+    many: warmup and decay over the run that will happen, not the one that was asked for."""
+    left = planned
+    for i, plan in enumerate(steps_of):
+        if left <= 0:
+            del steps_of[i:]
+            break
+        del plan[left:]
+        left -= len(plan)
+    sched.lr_lambdas = [_lr_lambda(planned, max(1, int(planned * warmup_ratio)))] * len(sched.lr_lambdas)
+    return planned
+
+
 def simulated_acceptance_length(accs: list[float]) -> float:
     """1 (the bonus token) + Σ_k Π_{j≤k} acc_j, comparable to the engines' mean acceptance length."""
     total, prod = 1.0, 1.0
@@ -220,7 +244,8 @@ _BOUNDS = (("epochs", lambda v: v >= 1, "at least 1"), ("ttt_steps", lambda v: v
            ("max_grad_norm", lambda v: v > 0, "positive"), ("step_decay", lambda v: v > 0, "positive"),
            ("warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"), ("noise_std", lambda v: v >= 0, "0 or more"),
            ("weight_decay", lambda v: v >= 0, "0 or more"), ("layer_lr", lambda v: v >= 0, "0 or more"),
-           ("save_every_steps", lambda v: v >= 0, "0 or more"))
+           ("save_every_steps", lambda v: v >= 0, "0 or more"),
+           ("time_budget_s", lambda v: v is None or v > 0, "positive (or None: no budget)"))
 
 
 def check_args(args: dict, hp: dict) -> None:
@@ -232,7 +257,7 @@ def check_args(args: dict, hp: dict) -> None:
     if args.get("run_name") is not None:
         check_plain_name(args["run_name"], "run_name")
     bad = [f"{k} must be {what}, got {hp[k]!r}" for k, ok, what in _BOUNDS
-           if not isinstance(hp[k], (int, float)) or isinstance(hp[k], bool) or not ok(hp[k])]
+           if not (hp[k] is None or isinstance(hp[k], (int, float))) or isinstance(hp[k], bool) or not ok(hp[k])]
     procs = args.get("num_processes") or 1
     if not isinstance(procs, int) or procs < 1:
         bad.append(f"num_processes must be at least 1, got {procs!r}")
@@ -458,6 +483,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     # for any GPU count.
     steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
     total_steps = sum(len(p) for p in steps_of)
+    requested_steps, steps_per_epoch = total_steps, len(steps_of[0]) if steps_of else 0
     params = [p for p in model.parameters() if p.requires_grad]
     # layer_lr scales the decoder layers' learning rate (their norms too): started from the target's last
     # layer they must move further than fc, the final norm and lm_head (measured best at 3x)
@@ -479,6 +505,8 @@ def run(workdir: str, args: dict, reporter) -> None:
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         step = state["step"]
+        if state.get("planned_steps"):  # a time budget's plan holds for the whole run, not re-timed on resume
+            total_steps = _replan(steps_of, sched, state["planned_steps"], float(hp["warmup_ratio"]))
         reporter.log(f"resuming from step-{step:07d} (step {step} of {total_steps}): same inputs, settings and code")
     elif ckpts.exists() and group.is_main:
         shutil.rmtree(ckpts)  # another run's weights: never resumed, never published under this run's inputs
@@ -501,6 +529,9 @@ def run(workdir: str, args: dict, reporter) -> None:
     n_batches, tokens, t0 = 0, 0, time.monotonic()
     epoch_tokens = data.tokens
     curve, curve_every = {"step": [], "loss_0": [], "acc_0": []}, max(1, total_steps // 200)
+    budget = float(hp["time_budget_s"]) if hp["time_budget_s"] else None
+    planned = state.get("planned_steps") if state else None
+    t_first = None
     with reporter.progress("train", total_steps * 1, unit="steps") as prog:
         prog.update(step)
         done = 0
@@ -534,13 +565,25 @@ def run(workdir: str, args: dict, reporter) -> None:
                 opt.zero_grad(set_to_none=True)
                 step += 1
                 done += 1
+                if budget and planned is None:
+                    if step - resumed_from == 1:
+                        t_first = time.monotonic()  # the first step warms up; time the next ones
+                    elif step - resumed_from == CALIBRATION_STEPS + 1:
+                        planned = _plan_budget(time.monotonic(), t0, t_first, budget, step, total_steps, group)
+                        if planned < total_steps:
+                            total_steps = _replan(steps_of, sched, planned, float(hp["warmup_ratio"]))
+                            prog.set_total(total_steps)
+                        reporter.log(f"time budget {budget:g} s: {planned:,} of {requested_steps:,} steps "
+                                     f"({planned / max(steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) fit; "
+                                     "the learning-rate schedule is planned for those",
+                                     "warning" if planned < steps_per_epoch else "info")
                 ntok = int(group.sum(ntok))
                 tokens += ntok
                 if group.is_main and ntok and group.rank < len(group_rows) and step % curve_every == 0:
                     curve["step"].append(step)  # one sync per sampled step, for the training curve
                     curve["loss_0"].append(round(float(losses[0]), 5))
                     curve["acc_0"].append(round(float(accs[0]), 5))
-                if epoch == len(plans) - 1 and ntok and group.rank < len(group_rows):
+                if epoch == len(steps_of) - 1 and ntok and group.rank < len(group_rows):
                     sum_loss += torch.stack(losses).float().cpu()  # the last epoch's figures describe the
                     sum_acc += torch.stack(accs).float().cpu()     # final weights (rank 0's share of them)
                     n_batches += 1
@@ -554,7 +597,8 @@ def run(workdir: str, args: dict, reporter) -> None:
                 if end_of_epoch or (save_every and step % save_every == 0):
                     if group.is_main:
                         _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
-                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp})
+                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp,
+                                          "planned_steps": planned})
                     group.barrier()
     wall = time.monotonic() - t0
     after = measure(data, probe, labels, str(hp["loss_on"]))
@@ -580,7 +624,10 @@ def run(workdir: str, args: dict, reporter) -> None:
         "aux_layer_ids": cfg.aux_layer_ids,
         "draft_vocab_source": f"reused from {init}" if init else str(args.get("vocab")),
         "epochs": int(hp["epochs"]),
+        "epochs_trained": round(step / max(steps_per_epoch, 1), 2),
         "steps": step,
+        "requested_steps": requested_steps,
+        "time_budget_s": hp["time_budget_s"],
         "resumed_from_step": resumed_from,
         "ttt_steps": steps_k,
         "train_tokens_per_epoch": epoch_tokens,
