@@ -25,6 +25,7 @@ from conftest import failure_text
 from eagle3_assets.worker.engines import vllm as vllm_engine
 from eagle3_assets.worker.errors import StageError
 from eagle3_assets.worker.engine_dump import loss_spans, mask_from_spans, validate_dump
+from eagle3_assets.worker.shard_format import dequantize_fp8
 from eagle3_assets.worker.shard_writer import Sample
 
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
@@ -50,7 +51,11 @@ def _rows(shard: Path) -> dict[str, dict]:
     out = {}
     for r in pq.read_table(shard / "index.parquet").to_pylist():
         sl = slice(r["offset"], r["offset"] + r["length"])
-        out[r["id"]] = {k: v[sl] for k, v in parts[r["part"]].items()} | {"row": r["row"]}
+        row = {k: v[sl] for k, v in parts[r["part"]].items()} | {"row": r["row"]}
+        for k in ("aux", "final"):
+            if f"{k}_scale" in row:  # format v2 (storage fp8)
+                row[k] = dequantize_fp8(row[k], row.pop(f"{k}_scale"))
+        out[r["id"]] = row
     return out
 
 
@@ -304,7 +309,8 @@ def test_host_preflight_asks_the_installed_vllm_whether_it_can_extract_and_serve
 def test_a_kimi_k25_style_moe_target_extracts_through_vllm_as_through_transformers(built, tmp_path):
     """The story's class of target, tiny (tests/tiny_targets.py: a kimi_k25 wrapper around a DeepSeek-V3
     text model, MLA, MoE, Kimi's vocab, language_model.* names): vLLM's CPU build serves it text-only with
-    our connector, and its shard equals the hf backend's layer by layer."""
+    our connector, and its shard equals the hf backend's layer by layer. The vLLM run stores fp8 (format v2):
+    the connector quantizes inside the engine."""
     from tiny_targets import save_kimi_k25_like
 
     kimi = save_kimi_k25_like(tmp_path / "tiny-kimi-k25")
@@ -312,11 +318,13 @@ def test_a_kimi_k25_style_moe_target_extracts_through_vllm_as_through_transforme
               "samples_per_shard": 3, "dtype": "float32"}
     for backend in ("hf", "vllm"):
         done = _stage(built.workdir, "extract", {**common, "backend": backend, "out_dir": str(tmp_path / backend),
-                                                  "ready_timeout_s": 900})
+                                                  "ready_timeout_s": 900,
+                                                  "storage": "fp8" if backend == "vllm" else "native"})
         assert done.returncode == 0, done.stderr[-3000:]
     assert "--language-model-only" in next((tmp_path / "vllm" / ".logs").glob("*.log")).read_text().splitlines()[0]
     manifest = json.loads((tmp_path / "vllm" / "shard-00000" / "manifest.json").read_text())
     assert manifest["engine_model_class"].endswith("KimiK25ForConditionalGeneration")
+    assert manifest["format"] == "eagle3-hidden-states/v2" and manifest["storage"] == "fp8"
     assert manifest["aux_layer_ids"] == [1, 3, 4] and manifest["capture_ids"] == [2, 4, 5, 8]
     a, b = _rows(tmp_path / "hf" / "shard-00000"), _rows(tmp_path / "vllm" / "shard-00000")
     H = manifest["hidden_size"]
@@ -325,4 +333,5 @@ def test_a_kimi_k25_style_moe_target_extracts_through_vllm_as_through_transforme
         assert torch.equal(a[sid]["input_ids"], b[sid]["input_ids"])
         for x, y in [(a[sid]["aux"][:, k * H:(k + 1) * H], b[sid]["aux"][:, k * H:(k + 1) * H]) for k in range(3)] + \
                 [(a[sid]["final"], b[sid]["final"])]:
-            assert torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).min().item() >= 0.9999
+            # e4m3 keeps 3 mantissa bits: per token a cosine of ~0.999 against float32
+            assert torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).min().item() >= 0.995

@@ -32,6 +32,9 @@ class HiddenStatesConfig(dg.Config):
     part_bytes: int = Field(default=1 << 30, description="target size of one safetensors part file")
     io_threads: int = Field(default=4, description="threads writing and hashing parts")
     dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
+    storage: Literal["native", "fp8"] = Field(default="native", description="native: hidden states in the compute "
+                                              "dtype (format v1); fp8: float8 e4m3 with one scale per token and "
+                                              "layer (format v2, half of bf16 on disk)")
 
 
 @dg.asset(group_name="data", kinds={"pytorch", "safetensors"}, partitions_def=shard_partitions,
@@ -47,7 +50,7 @@ def hidden_state_shards(context: dg.AssetExecutionContext, config: HiddenStatesC
         "shard": int(context.partition_key), "samples_per_shard": int(conv["samples_per_shard"]),
         "aux_layers": config.aux_layers, "max_length": config.max_length, "batch_tokens": config.batch_tokens,
         "part_bytes": config.part_bytes, "io_threads": config.io_threads, "dtype": config.dtype,
-        "backend": config.backend, "engine_python": config.engine_python,
+        "storage": config.storage, "backend": config.backend, "engine_python": config.engine_python,
         "tensor_parallel_size": config.tensor_parallel_size, "data_parallel_size": config.data_parallel_size,
         "extra_args": config.extra_args, "env": config.env, "concurrency": config.concurrency,
         "ready_timeout_s": config.ready_timeout_s,

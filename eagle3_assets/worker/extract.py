@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
-from .shard_format import (FORMAT, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, check_aux_layers, default_aux_layers,
-                           shard_name)
+from .shard_format import (FORMAT, FORMAT_V2, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, check_aux_layers,
+                           check_storage, default_aux_layers, part_tokens, shard_name)
 from .shard_writer import Sample, ShardWriter
 from .target_size import check_fits
 
@@ -99,17 +99,16 @@ def pad_batch(batch: list[Sample], multiple: int = 8):
 
 
 def extract_samples(model, samples: list[Sample], out_dir: Path, aux_layers: list[int], *, batch_tokens: int,
-                    part_bytes: int, io_threads: int, progress=None) -> ShardWriter:
+                    part_bytes: int, io_threads: int, progress=None, storage: str = "native") -> ShardWriter:
     """Run the target over `samples` and write parts + rows into `out_dir`. Used by the stage and the bench."""
     import torch
 
     hidden = model.config.get_text_config().hidden_size
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    bytes_per_token = 4 * hidden * dtype.itemsize
-    part_tokens = max(part_bytes // bytes_per_token, batch_tokens)
+    tokens = max(part_tokens(part_bytes, hidden, str(dtype).removeprefix("torch."), storage), batch_tokens)
     capture = HiddenStateCapture(model, aux_layers)
-    writer = ShardWriter(out_dir, hidden, dtype, part_tokens, io_threads, pin=device.type == "cuda")
+    writer = ShardWriter(out_dir, hidden, dtype, tokens, io_threads, pin=device.type == "cuda", storage=storage)
     try:
         with torch.inference_mode():
             for batch in make_batches(samples, batch_tokens):
@@ -169,12 +168,13 @@ def run(workdir: str, args: dict, reporter) -> None:
 
     dtype_info = choice(args.get("dtype"), host_device(args.get("device", "auto")))
     dtype = dtype_info["dtype"]
+    storage = check_storage(args.get("storage") or "native")
     samples, truncated = load_samples(conversations, shard, int(args["samples_per_shard"]),
                                       int(args.get("max_length", 2048)))
     name = shard_name(shard)
     out_root.mkdir(parents=True, exist_ok=True)
     total = sum(len(s.input_ids) for s in samples)
-    need = total * bytes_per_token(int(cfg.hidden_size), dtype)
+    need = total * bytes_per_token(int(cfg.hidden_size), dtype, storage)
     free = shutil.disk_usage(out_root).free
     if need > free:
         raise StageError(f"{name} needs ~{need / 1e9:,.3f} GB for {total:,} tokens of hidden states, but only "
@@ -198,7 +198,8 @@ def run(workdir: str, args: dict, reporter) -> None:
                 writer = extract_samples(model, samples, tmp, aux_layers,
                                          batch_tokens=int(args.get("batch_tokens", 16384)),
                                          part_bytes=int(args.get("part_bytes", 1 << 30)),
-                                         io_threads=int(args.get("io_threads", 4)), progress=prog)
+                                         io_threads=int(args.get("io_threads", 4)), progress=prog,
+                                         storage=storage)
             files, index = writer.files, writer.index
             engine = {"engine": "transformers", "engine_version": _version("transformers"),
                       "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
@@ -210,7 +211,8 @@ def run(workdir: str, args: dict, reporter) -> None:
 
             reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
                          f"({LAYER_CONVENTION}) + final pre-norm, through {backend}")
-            files, index, engine = extract(target, samples, tmp, aux_layers, num_layers, {**args, "dtype": dtype},
+            files, index, engine = extract(target, samples, tmp, aux_layers, num_layers,
+                                           {**args, "dtype": dtype, "storage": storage},
                                            reporter, f"extract {name}")
             engine["dtype"] = dtype
             t0 = time.monotonic() - engine["engine_wall_s"]  # tokens/s counts the engine's work, not its start
@@ -218,7 +220,8 @@ def run(workdir: str, args: dict, reporter) -> None:
         final_dir = out_root / name
         manifest = publish_shard(tmp, final_dir, files, index, {
             "shard": shard, "target": str(target), "hidden_size": int(cfg.hidden_size), "num_layers": num_layers,
-            "aux_layer_ids": aux_layers, "backend": backend, **engine, "truncated_samples": int(truncated)})
+            "aux_layer_ids": aux_layers, "backend": backend, **engine, "storage": storage,
+            "truncated_samples": int(truncated)})
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -242,6 +245,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "parts": len(files),
         **{k: v for k, v in dtype_info.items() if k != "dtype"},
         "dtype": engine["dtype"],
+        "storage": storage,
         "manifest": manifest,
     }
     reporter.materialize(metadata=meta, data_version=version)
@@ -255,7 +259,7 @@ def publish_shard(tmp: Path, final_dir: Path, files: list[dict], index: list[dic
     index = sorted(index, key=lambda r: r["row"])
     pq.write_table(pa.Table.from_pylist(index), tmp / INDEX)
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT_V2 if fields.get("storage") == "fp8" else FORMAT,
         **fields,
         "layer_convention": LAYER_CONVENTION,
         "final": "last decoder layer output, before the final norm",

@@ -56,6 +56,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
         python, str(target), port, layer_ids=ids, root=str(tmp.parent.resolve()), aux_columns=run.aux_columns,
         final_column=run.final_column, part_bytes=int(args.get("part_bytes", 1 << 30)),
         io_threads=int(args.get("io_threads", 4)), dtype=args.get("dtype", "bfloat16"),
+        storage=args.get("storage", "native"),
         max_model_len=int(args.get("max_model_len") or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
         seed=int(args.get("seed", 0)), extra=list(args.get("extra_args") or []))
     if is_wrapper(target) and info.get("language_model_only") and "--language-model-only" not in argv:

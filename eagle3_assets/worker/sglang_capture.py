@@ -45,6 +45,7 @@ def _rank(spec: dict, dp: int, tp_rank: int, port_args) -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from .engine_dump import mask_from_spans, parts_file, write_parts
+    from .shard_format import part_tokens
     from .shard_writer import Sample, ShardWriter
 
     server_args = _server_args(spec)
@@ -74,9 +75,10 @@ def _rank(spec: dict, dp: int, tp_rank: int, port_args) -> None:
     if tp_rank == 0:
         hidden = lm.config.hidden_size
         dtype = getattr(torch, spec["dtype"])
-        tokens = max(int(spec["part_bytes"]) // (4 * hidden * dtype.itemsize), 1)
+        storage = spec.get("storage", "native")
+        tokens = part_tokens(int(spec["part_bytes"]), hidden, spec["dtype"], storage)
         writer = ShardWriter(out_dir, hidden, dtype, tokens, int(spec["io_threads"]), pin=torch.cuda.is_available(),
-                             prefix=f"part-d{dp}-")
+                             prefix=f"part-d{dp}-", storage=storage)
     cols, fcol, problems, done = spec["aux_columns"], spec["final_column"], [], 0
 
     class _NoPrefixCache:  # what ScheduleBatch asks of a tree cache when nothing is shared (bench_one_batch's)

@@ -8,6 +8,10 @@ A shard is a directory `shard-NNNNN/` holding
 - `manifest.json`, written last: sizes, token counts and sha256 of every file, the aux layer ids and their
   convention. A shard directory without a manifest is never complete.
 
+Format v2 (`storage: fp8`) stores `aux` and `final` as float8 e4m3 with one float32 scale per token and layer
+(`aux_scale` [T, 3], `final_scale` [T, 1]: x = q * scale, scale = max|x| / 448 over the layer's H values):
+4·H + 25 bytes per token, half of bf16. Readers take both versions; `dequantize` gives float32 back.
+
 Parts are written by `write_part` (the safetensors layout, streamed from pinned buffers with the sha256
 computed on the way, so no extra copy of hundreds of MB per part) and read with the safetensors library.
 """
@@ -20,6 +24,9 @@ import struct
 from pathlib import Path
 
 FORMAT = "eagle3-hidden-states/v1"
+FORMAT_V2 = "eagle3-hidden-states/v2"
+STORAGES = ("native", "fp8")  # native: the compute dtype, as extracted (v1); fp8: e4m3 + per-token scales (v2)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 LAYER_CONVENTION = "output_of_layer"  # aux id i = output of decoder layer i = HF hidden_states[i + 1]
 MANIFEST = "manifest.json"
 INDEX = "index.parquet"
@@ -27,13 +34,47 @@ INDEX = "index.parquet"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def bytes_per_token(hidden_size: int, dtype: str = "bfloat16") -> int:
-    """Disk per token: aux [3H] + final [H] in `dtype`, input_ids int64, loss_mask uint8."""
+def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", storage: str = "native") -> int:
+    """Disk per token: aux [3H] + final [H] in `dtype` (or fp8 + 4 float32 scales), input_ids int64,
+    loss_mask uint8."""
+    if storage == "fp8":
+        return 4 * hidden_size + 4 * 4 + 9
     return 4 * hidden_size * DTYPE_BYTES[dtype] + 9
 
 
+def part_tokens(part_bytes: int, hidden_size: int, dtype: str, storage: str = "native") -> int:
+    """Tokens per part file of about `part_bytes` (at least 1)."""
+    return max(int(part_bytes) // bytes_per_token(hidden_size, dtype, storage), 1)
+
+
+def check_storage(storage: str) -> str:
+    if storage not in STORAGES:
+        from .errors import StageError
+
+        raise StageError(f"storage must be one of {list(STORAGES)} (native: the compute dtype, fp8: float8 e4m3 "
+                         f"with per-token scales, half of bf16 on disk), got {storage!r}")
+    return storage
+
+
+def quantize_fp8(x, layers: int):
+    """[T, layers*H] -> (float8_e4m3fn [T, layers*H], float32 scales [T, layers]), one scale per token and
+    layer: the layers differ in size by orders of magnitude, so one shared scale would flush the small ones."""
+    import torch
+
+    t = x.float().unflatten(-1, (layers, -1))
+    scale = t.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    q = (t / scale).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_fp8(q, scale):
+    """The inverse of quantize_fp8, in float32."""
+    layers = scale.shape[-1]
+    return (q.float().unflatten(-1, (layers, -1)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
 _ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32",
-              "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8"}
+              "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8", "torch.float8_e4m3fn": "F8_E4M3"}
 
 
 def shard_name(shard: int) -> str:

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shard_format import write_part
+from .shard_format import check_storage, quantize_fp8, write_part
 
 
 @dataclass
@@ -22,14 +22,18 @@ class Sample:
 
 
 class _Part:
-    def __init__(self, cap_tokens: int, hidden: int, dtype, pin: bool):
+    def __init__(self, cap_tokens: int, hidden: int, dtype, pin: bool, reused: bool = True, fp8: bool = False):
         import torch
 
+        if fp8:
+            dtype = torch.float8_e4m3fn
         self.aux = torch.empty((cap_tokens, 3 * hidden), dtype=dtype, pin_memory=pin)
         self.final = torch.empty((cap_tokens, hidden), dtype=dtype, pin_memory=pin)
+        self.scales = ((torch.empty((cap_tokens, 3), dtype=torch.float32, pin_memory=pin),
+                        torch.empty((cap_tokens, 1), dtype=torch.float32, pin_memory=pin)) if fp8 else None)
         self.ids = torch.empty((cap_tokens,), dtype=torch.int64)
         self.mask = torch.empty((cap_tokens,), dtype=torch.uint8)
-        self.cap = cap_tokens
+        self.cap, self.reused = cap_tokens, reused
         self.reset()
 
     def reset(self):
@@ -40,12 +44,13 @@ class ShardWriter:
     """Fills part buffers batch by batch; full parts go to a thread pool that writes and hashes them."""
 
     def __init__(self, out_dir: Path, hidden: int, dtype, part_tokens: int, io_threads: int, pin: bool,
-                 prefix: str = "part-"):
-        self.out_dir, self.hidden, self.prefix = out_dir, hidden, prefix
+                 prefix: str = "part-", storage: str = "native"):
+        self.out_dir, self.hidden, self.dtype, self.prefix = out_dir, hidden, dtype, prefix
+        self.fp8 = check_storage(storage) == "fp8"
         self.pool = ThreadPoolExecutor(max_workers=io_threads)
         self.free: queue.Queue[_Part] = queue.Queue()
         for _ in range(io_threads + 1):  # one being filled while io_threads are written
-            self.free.put(_Part(part_tokens, hidden, dtype, pin))
+            self.free.put(_Part(part_tokens, hidden, dtype, pin, fp8=self.fp8))
         self.cur = self.free.get()
         self.futures: list[Future] = []
         self.files: list[dict] = []
@@ -59,7 +64,17 @@ class ShardWriter:
         n = aux.shape[0]
         if self.cur.used + n > self.cur.cap:
             self.flush()
+        if n > self.cur.cap:  # longer than a part buffer (one long sample): a part of its own, sized to fit
+            regular, self.cur = self.cur, _Part(n, self.hidden, self.dtype, pin=False, reused=False, fp8=self.fp8)
+            self.add(batch, lengths, aux, final)
+            self._submit()
+            self.cur = regular
+            return
         p, o = self.cur, self.cur.used
+        if self.fp8:  # quantized where the states are (on a GPU: before the copy, which then moves half)
+            (aux, aux_scale), (final, final_scale) = quantize_fp8(aux, 3), quantize_fp8(final, 1)
+            p.scales[0][o: o + n].copy_(aux_scale, non_blocking=True)
+            p.scales[1][o: o + n].copy_(final_scale, non_blocking=True)
         p.aux[o: o + n].copy_(aux, non_blocking=True)
         p.final[o: o + n].copy_(final, non_blocking=True)
         off = o
@@ -75,16 +90,19 @@ class ShardWriter:
             p.event.record()
 
     def flush(self) -> None:
-        p = self.cur
-        if p.used == 0:
+        if self.cur.used == 0:
             return
+        self._submit()
+        self.cur = self.free.get()  # blocks while all buffers are being written: back-pressure
+
+    def _submit(self) -> None:
+        p = self.cur
         name = f"{self.prefix}{self.part_no:04d}.safetensors"
         self.part_no += 1
         for r in p.rows:
             r["part"] = name
         self.index.extend(p.rows)
         self.futures.append(self.pool.submit(self._write, p, name))
-        self.cur = self.free.get()  # blocks while all buffers are being written: back-pressure
 
     def _write(self, p: _Part, name: str) -> dict:
         try:
@@ -92,11 +110,14 @@ class ShardWriter:
                 p.event.synchronize()
             t = p.used
             tensors = {"input_ids": p.ids[:t], "loss_mask": p.mask[:t], "aux": p.aux[:t], "final": p.final[:t]}
+            if p.scales is not None:
+                tensors.update(aux_scale=p.scales[0][:t], final_scale=p.scales[1][:t])
             nbytes, digest = write_part(self.out_dir / name, tensors)
             return {"name": name, "bytes": nbytes, "sha256": digest, "tokens": t}
         finally:
-            p.reset()
-            self.free.put(p)
+            if p.reused:
+                p.reset()
+                self.free.put(p)
 
     def close(self) -> None:
         self.flush()

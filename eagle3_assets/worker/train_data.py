@@ -19,7 +19,7 @@ import torch
 
 from .errors import StageError
 from .files import sha256_file
-from .shard_format import INDEX, read_manifest
+from .shard_format import INDEX, dequantize_fp8, read_manifest
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,14 @@ class ShardSet:
                              f"{d / 'manifest.json'}: the file changed on disk after extraction (a flipped bit, a partial "
                              f"copy, an edit); {_rerun(d)}")
         st = self._handle(part)
+        fp8 = "aux_scale" in st.keys()
         for name in ("aux", "final"):
             rows, cols = st.get_slice(name).get_shape()
             step = max(1, chunk_elems // max(cols, 1))
             for a in range(0, rows, step):
                 x = st.get_slice(name)[a: a + step]
+                if fp8:
+                    x = dequantize_fp8(x, st.get_slice(f"{name}_scale")[a: a + step])
                 if not bool(torch.isfinite(x).all()):
                     row = a + int((~torch.isfinite(x)).any(-1).nonzero()[0, 0])
                     raise StageError(f"{part}: tensor {name!r} holds NaN or inf (first at token row {row}): training on "
@@ -120,6 +123,8 @@ class ShardSet:
     def _check_part(self, part: Path, tokens: int, hidden: int) -> None:
         st = self._handle(part)
         want = {"input_ids": [tokens], "loss_mask": [tokens], "aux": [tokens, 3 * hidden], "final": [tokens, hidden]}
+        if "aux_scale" in st.keys() or "final_scale" in st.keys():  # format v2: fp8 states and their scales
+            want.update(aux_scale=[tokens, 3], final_scale=[tokens, 1])
         for name, shape in want.items():
             if name not in st.keys():
                 raise StageError(f"{part}: tensor {name!r} is missing")
@@ -131,7 +136,11 @@ class ShardSet:
     def read(self, ref: Ref) -> dict[str, torch.Tensor]:
         st = self._handle(ref.part)
         sl = slice(ref.offset, ref.offset + ref.length)
-        return {k: st.get_slice(k)[sl] for k in ("input_ids", "loss_mask", "aux", "final")}
+        out = {k: st.get_slice(k)[sl] for k in ("input_ids", "loss_mask", "aux", "final")}
+        if out["aux"].dtype == torch.float8_e4m3fn:  # format v2
+            for k in ("aux", "final"):
+                out[k] = dequantize_fp8(out[k], st.get_slice(f"{k}_scale")[sl])
+        return out
 
     @property
     def tokens(self) -> int:

@@ -28,6 +28,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
 from ..engine_dump import mask_from_spans, parts_file, write_parts
+from ..shard_format import part_tokens
 from ..shard_writer import Sample, ShardWriter
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
         self.root = Path(extra("root", "")).resolve()
         self.part_bytes = int(extra("part_bytes", 1 << 30))
         self.io_threads = int(extra("io_threads", 4))
+        self.storage = str(extra("storage", "native"))
         self.aux_columns = [int(c) for c in extra("aux_columns", [0, 1, 2])]
         self.final_column = int(extra("final_column", 3))
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
@@ -129,9 +131,10 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
             out.mkdir(parents=True, exist_ok=True)
             cache = self._kv_cache
             hidden = cache.shape[3]
-            tokens = max(self.part_bytes // (4 * hidden * cache.element_size()), 1)
+            tokens = part_tokens(self.part_bytes, hidden, str(cache.dtype).removeprefix("torch."), self.storage)
             w = self._writers[name] = ShardWriter(out, hidden, cache.dtype, tokens, self.io_threads,
-                                                  pin=cache.is_cuda, prefix=f"part-d{self.dp_rank}-")
+                                                  pin=cache.is_cuda, prefix=f"part-d{self.dp_rank}-",
+                                                  storage=self.storage)
             self._problems[name] = []
         return w
 

@@ -1,0 +1,89 @@
+"""Shard format v2 (`storage: fp8`): float8 e4m3 hidden states with per-token, per-layer scales, half of
+bf16 on disk, read back by training beside v1 shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3_assets.worker.shard_format import FORMAT, FORMAT_V2, bytes_per_token, dequantize_fp8, quantize_fp8
+from eagle3_assets.worker.train_data import ShardSet
+from test_reliability import SHARD, VOCAB, _train_args, _worker, work  # noqa: F401  (work is a fixture)
+
+
+def test_fp8_keeps_each_layer_to_its_own_scale():
+    g = torch.Generator().manual_seed(0)
+    # three layers of very different size, as a residual stream grows with depth
+    x = torch.cat([torch.randn(64, 96, generator=g) * s for s in (0.01, 1.0, 300.0)], dim=1)
+    q, scale = quantize_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 3)
+    back = dequantize_fp8(q, scale)
+    for k in range(3):
+        part, got = x[:, k * 96:(k + 1) * 96], back[:, k * 96:(k + 1) * 96]
+        rel = ((got - part).norm(dim=1) / part.norm(dim=1)).max()
+        assert rel < 0.05, (k, float(rel))  # e4m3 keeps 3 mantissa bits: a few % per value at most
+
+
+def test_fp8_is_half_of_bf16_at_the_8b_shape():
+    assert bytes_per_token(4096, "bfloat16", "fp8") <= 16_500
+    assert bytes_per_token(4096, "bfloat16", "fp8") / bytes_per_token(4096, "bfloat16") < 0.51
+
+
+def _extract(built, workdir: Path, out_dir: str, storage: str):
+    done = _worker(workdir, "extract", {
+        "target": built.latest("target_model")["path"], "storage": storage,
+        "conversations": str(built.workdir / "conversations/conversations.parquet"), "out_dir": out_dir, "shard": 0,
+        "samples_per_shard": 3, "dtype": "float32", "batch_tokens": 256})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir / out_dir / "shard-00000"
+
+
+def test_an_fp8_shard_is_written_checked_and_trained_on(built, work):
+    native = _extract(built, work, "hs_native", "native")
+    fp8 = _extract(built, work, "hs_fp8", "fp8")
+    m_native, m_fp8 = (json.loads((d / "manifest.json").read_text()) for d in (native, fp8))
+    assert (m_native["format"], m_fp8["format"]) == (FORMAT, FORMAT_V2) and m_fp8["storage"] == "fp8"
+    assert m_fp8["tokens"] == m_native["tokens"]
+    # float32 native shards here: fp8 takes a little over a quarter
+    assert m_fp8["bytes"] < 0.3 * m_native["bytes"], (m_fp8["bytes"], m_native["bytes"])
+    hidden = built.latest("target_model")["hidden_size"]
+    a, b = ShardSet([native], hidden), ShardSet([fp8], hidden)
+    for ra, rb in zip(a.refs, b.refs):
+        xa, xb = a.read(ra), b.read(rb)
+        assert torch.equal(xa["input_ids"], xb["input_ids"])
+        for k in ("aux", "final"):
+            rel = (xb[k] - xa[k].float()).norm() / xa[k].float().norm()
+            assert rel < 0.05, (k, float(rel))
+    with safe_open(str(sorted(fp8.glob("part-*.safetensors"))[0]), "pt") as st:
+        assert st.get_slice("aux").get_dtype() == "F8_E4M3"
+
+    trained = _worker(work, "train", {**_train_args(built, "drafter/fp8"), "shards": ["hs_fp8/shard-00000"]})
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    mixed = _worker(work, "train", {**_train_args(built, "drafter/mixed"),
+                                    "shards": ["hs_fp8/shard-00000", "hs_native/shard-00000"]})
+    assert mixed.returncode == 0, mixed.stderr[-3000:]
+
+
+def test_a_non_finite_scale_in_an_fp8_shard_is_refused_naming_the_file(built, work):
+    from safetensors.torch import load_file, save_file
+
+    from eagle3_assets.worker.files import sha256_file
+
+    fp8 = _extract(built, work, "hs_bad", "fp8")
+    part = sorted(fp8.glob("part-*.safetensors"))[0]
+    tensors = load_file(str(part))
+    tensors["aux_scale"][1, 2] = float("inf")
+    save_file(tensors, str(part))
+    manifest = json.loads((fp8 / "manifest.json").read_text())  # re-signed: only the content is wrong
+    for f in manifest["files"]:
+        if f["name"] == part.name:
+            f["bytes"], f["sha256"] = part.stat().st_size, sha256_file(part)
+    (fp8 / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="NaN or inf"):
+        ShardSet([fp8], built.latest("target_model")["hidden_size"])
+    assert str(part) in _worker(work, "train", {**_train_args(built, "drafter/bad"),
+                                                "shards": ["hs_bad/shard-00000"]}).stderr
