@@ -8,7 +8,8 @@ Random weights (throughput depends on shapes, not values). Designs measured, eac
 - ours:     `extract_samples` as the `extract` stage runs it (gather, pinned copy, threaded write+sha256);
 - naive:    HF forward with output_hidden_states=True (full model, lm_head included), then one torch.save
             of a dict per sample, as SpecForge's prepare_hidden_states and ModelOpt's HF dumper do.
-Writes count when the files are closed (page cache); `--sync` adds an fsync of everything written.
+Every part is fsynced by the writer threads (as the stage writes it); `--sync` adds an fsync of everything
+written before the clock stops. `--storage fp8` writes shard format v2.
 Prints one JSON object."""
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def main():
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     ap.add_argument("--designs", default="forward,ours,naive")
-    ap.add_argument("--sync", action="store_true", help="fsync everything written before stopping the clock")
+    ap.add_argument("--sync", action="store_true", help="fsync everything written before stopping the clock "
+                    "(the stage's own parts are fsynced by its writer threads already)")
+    ap.add_argument("--storage", default="native", choices=["native", "fp8"], help="ours: shard format v1 or v2")
     args = ap.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,12 +137,14 @@ def main():
     root = Path(args.dir or tempfile.mkdtemp(prefix="extract-bench-"))
     report = {"shape": args.shape, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "dtype": "bfloat16", "samples": len(samples), "tokens": total, "seq_len_max": args.seq_len,
-              "batch_tokens": args.batch_tokens, "aux_layers": aux, "torch": torch.__version__}
+              "batch_tokens": args.batch_tokens, "aux_layers": aux, "torch": torch.__version__,
+              "storage": args.storage, "fsync": bool(args.sync)}
     for design in args.designs.split(","):
         out = root / design
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        kw = dict(batch_tokens=args.batch_tokens, part_bytes=args.part_bytes, io_threads=args.io_threads)
+        kw = dict(batch_tokens=args.batch_tokens, part_bytes=args.part_bytes, io_threads=args.io_threads,
+                  storage=args.storage)
         if design == "forward":
             fn = lambda s: run_forward(model, s, aux, args.batch_tokens)  # noqa: E731
         elif design == "ours":

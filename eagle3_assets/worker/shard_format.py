@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def write_part(path: Path, tensors: dict, chunk: int = 64 << 20) -> tuple[int, s
                 block = v[s: s + chunk]
                 h.update(block)
                 f.write(block)
+        # on disk before the manifest can name it: a crash then never leaves a "complete" shard with a part
+        # that was only in the page cache (the writer threads sync while the producer computes on)
+        f.flush()
+        os.fsync(f.fileno())
     return len(prefix) + offset, h.hexdigest()
 
 
