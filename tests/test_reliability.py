@@ -218,7 +218,7 @@ def _bad_sources(d: Path) -> list[tuple[Path, str]]:
     surrogate.write_text(f"{good}\n" + '{"prompt": "half an emoji: \\ud83d"}\n')
     return [(jsonl, f"{jsonl}, line 3: malformed JSON"), (gz, f"prompt source '{gz}' cannot be read"),
             (surrogate, f"{surrogate}, line 2: text that is not valid Unicode"),
-            (latin, f"{latin}, line 1 or after: not UTF-8 text"), (parquet, f"prompt source '{parquet}' cannot be read")]
+            (latin, f"{latin}, line 2: not UTF-8 text"), (parquet, f"prompt source '{parquet}' cannot be read")]
 
 
 def test_failed_prompts_run_leaves_the_previous_files_untouched(graph, tmp_path):

@@ -14,6 +14,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from ..worker.parent import PARENT_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
 
@@ -38,7 +39,8 @@ class LocalGpuHost(GpuHost):
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
                                    message_reader=_TempFileMessages(),
                                    extras={"stage": stage}) as session:
-            env = {**os.environ, **self.env, **session.get_bootstrap_env_vars()}
+            # The worker stops itself if this process dies (kill -9 included): a retry never runs beside it.
+            env = {**os.environ, **self.env, **session.get_bootstrap_env_vars(), PARENT_ENV: str(os.getpid())}
             # Its own process group, so that cancelling the run stops the worker and its children.
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
             try:

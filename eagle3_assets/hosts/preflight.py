@@ -15,8 +15,20 @@ PACKAGE_DIR = str(Path(probe.__file__).resolve().parent.parent)
 
 
 @lru_cache(maxsize=1)
+def local_code() -> dict[str, bytes]:
+    """The worker code as this control plane first read it: uploads ship these bytes, so the copy on the host
+    matches its fingerprint even if the files here are edited while the control plane runs."""
+    return probe.read_files(PACKAGE_DIR)
+
+
+@lru_cache(maxsize=1)
 def local_fingerprint() -> str:
-    return probe.fingerprint(PACKAGE_DIR)
+    return probe.fingerprint_of(local_code())
+
+
+@lru_cache(maxsize=1)
+def local_files() -> dict[str, str]:
+    return probe.digests_of(local_code())
 
 
 def problems(info: dict[str, Any], *, where: str, gpus: bool, min_free_bytes: int,

@@ -16,15 +16,14 @@ import re
 import time
 import uuid
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
 import dagster as dg
 from pydantic import Field
 
-from . import preflight
+from . import inputs, preflight
 from .base import GpuHost, StageRun, describe_exit, stage_outcome
-from .ssh_connection import Connection, RemoteCommandError, SshError, SshTarget, is_link_error
+from .ssh_connection import Connection, EnvNameError, RemoteCommandError, SshError, SshTarget, is_link_error
 
 JOBS_MODULE = "eagle3_assets.worker.jobs"
 
@@ -107,6 +106,8 @@ class SshGpuHost(GpuHost):
         except RemoteCommandError as e:
             hint = " Set `python` to the host environment's interpreter." if e.rc == 127 else ""
             raise dg.Failure(description=str(e) + hint, allow_retries=False) from None
+        except EnvNameError as e:  # a name in `env` no shell can export
+            raise dg.Failure(description=f"{self.where}: {e}", allow_retries=False) from None
 
     def _abs_workdir(self, conn: Connection) -> str:
         wd = self.workdir
@@ -131,19 +132,47 @@ class SshGpuHost(GpuHost):
         return info
 
     def _upload_code(self, context, conn: Connection, info: dict) -> str:
+        """The worker code under .eagle3/code/<fingerprint>, checked file by file on every use (the probe
+        hashes the copy there): missing, it is uploaded; changed on the host, it is restored."""
         fp = preflight.local_fingerprint()
         dest = f"{info['workdir']}/.eagle3/code/{fp}"
-        if info["package"].get("fingerprint") == fp and info["package"].get("dir", "").startswith(dest):
+        pkg = info["package"]
+        if pkg.get("fingerprint") == fp and pkg.get("dir", "").startswith(dest):
+            return dest
+        if conn.fs.exists(dest):
+            self._restore_code(context, conn, dest, pkg.get("files", {}) if pkg.get("dir", "").startswith(dest) else {})
             return dest
         tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
-        for rel in preflight.probe.worker_files(preflight.PACKAGE_DIR):
-            conn.fs.put_file(str(Path(preflight.PACKAGE_DIR) / rel), f"{tmp}/eagle3_assets/{rel}")
+        for rel, data in preflight.local_code().items():
+            _put_bytes(conn, data, f"{tmp}/eagle3_assets/{rel}")
         try:
             conn.fs.mv(tmp, dest)
-        except OSError:  # another run uploaded the same version first
+            context.log.info(f"uploaded the worker code ({fp}) to {dest}")
+        except OSError:  # another run uploaded the same version first; the next use checks that copy
             conn.fs.rm(tmp, recursive=True)
-        context.log.info(f"uploaded the worker code ({fp}) to {dest}")
         return dest
+
+    def _restore_code(self, context, conn: Connection, dest: str, there: dict) -> None:
+        """Put back every worker file that differs from this control plane's, one atomic rename each (a job
+        importing from the copy meanwhile sees the old file or the new, never half of one); remove extras."""
+        mine = preflight.local_files()
+        changed = sorted(rel for rel in mine if there.get(rel) != mine[rel])
+        extra = sorted(set(there) - set(mine))
+        for rel in changed:
+            final = f"{dest}/eagle3_assets/{rel}"
+            tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+            _put_bytes(conn, preflight.local_code()[rel], tmp)
+            conn.fs.ftp.posix_rename(tmp, final)
+        for rel in extra:
+            conn.fs.rm(f"{dest}/eagle3_assets/{rel}")
+        again = self._probe(conn, gpus=False)["package"]
+        if again.get("fingerprint") != preflight.local_fingerprint() or not again.get("dir", "").startswith(dest):
+            raise dg.Failure(description=f"{self.where}: the worker code in {dest} differs from this control plane's "
+                                         f"and could not be restored (it now has {again.get('fingerprint')}): remove "
+                                         f"{dest} on the host and run again", allow_retries=False)
+        what = ", ".join(changed[:8] + [f"{r} (not ours, removed)" for r in extra[:8]])
+        context.log.warning(f"the worker code in {dest} had been changed on the host ({what}); restored this control "
+                            f"plane's version {preflight.local_fingerprint()} before running anything from it")
 
     def check(self, context, gpus: bool, need_bytes: Optional[int] = None) -> dict:
         with self._connect(context.log.warning) as conn:
@@ -167,7 +196,9 @@ class SshGpuHost(GpuHost):
                 spec = {"argv": [self.python, "-m", "eagle3_assets.worker", stage, "--workdir", workdir,
                                  "--args", json.dumps(args)],
                         "env": env, "cwd": workdir, "stage": stage,
-                        "attach_key": context.run.root_run_id or context.run_id}
+                        "attach_key": context.run.root_run_id or context.run_id,
+                        # a finished job is reused only for the inputs it was made from
+                        "inputs": inputs.digest(inputs.input_versions(context))}
                 try:
                     launched = self._launch(conn, rundir, spec, info["code_dir"])
                 except Exception as e:  # launching again is safe: a job that did start is attached to
@@ -175,6 +206,8 @@ class SshGpuHost(GpuHost):
                         raise
                     conn.reconnect(self.reconnect_within_s)
                     launched = self._launch(conn, rundir, spec, info["code_dir"])
+                if launched["action"] == "refused":
+                    raise dg.Failure(description=f"{self.where}: {launched['reason']}", allow_retries=False)
                 verb = "started the job" if launched["action"] == "started" else (
                     f"attached to the job an earlier attempt started ({launched['state']}; no second copy)")
                 t_start = time.monotonic()
@@ -266,6 +299,12 @@ class SshGpuHost(GpuHost):
     def get_file(self, rel_path: str, local_path: str) -> None:
         with self._connect(lambda m: None) as conn:
             conn.fs.get_file(f"{self._abs_workdir(conn)}/{rel_path}", local_path)
+
+
+def _put_bytes(conn: Connection, data: bytes, path: str) -> None:
+    conn.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with conn.fs.ftp.open(path, "wb") as f:
+        f.write(data)
 
 
 def _job_id(context, stage: str, args: dict) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import time
@@ -173,11 +174,18 @@ class Connection:
         self.close()
 
     def run(self, words: list[str], timeout_s: float = 60.0, env: Optional[dict] = None) -> tuple[int, str, str]:
-        """Run a command given as words; each word is quoted, so nothing in it reaches the shell as syntax."""
+        """Run a command given as words; each word is quoted, so nothing in it reaches the shell as syntax.
+        `env` goes through the command's stdin, never its command line: every process's command line on the
+        host is readable by every user there (ps), and the environment may hold tokens."""
         cmd = " ".join(shlex.quote(w) for w in words)
-        if env:
-            cmd = "env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " " + cmd
-        _, stdout, stderr = self.client.exec_command(cmd, timeout=timeout_s)
+        script = env_script(env) if env else None
+        if script:
+            cmd = f"sh -c {shlex.quote(_ENV_FROM_STDIN)} sh {cmd}"
+        stdin, stdout, stderr = self.client.exec_command(cmd, timeout=timeout_s)
+        if script:
+            stdin.write(script)
+            stdin.flush()
+            stdin.channel.shutdown_write()
         out = stdout.read().decode(errors="replace")
         err = stderr.read().decode(errors="replace")
         rc = stdout.channel.recv_exit_status()
@@ -208,6 +216,23 @@ class Connection:
             return self.fs.ftp.stat(path).st_size or 0
         except FileNotFoundError:
             return 0
+
+
+# Reads `NAME='value'` lines from stdin (exported), then becomes the command: the values never touch an argv.
+_ENV_FROM_STDIN = 'set -a && eval "$(cat)" && set +a && exec "$@"'
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class EnvNameError(ValueError):
+    pass
+
+
+def env_script(env: dict) -> str:
+    bad = [k for k in env if not _ENV_NAME.fullmatch(k)]
+    if bad:
+        raise EnvNameError(f"environment variable names {bad} are not valid (letters, digits, _; not starting with a "
+                         "digit): fix the host's `env`")
+    return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in env.items())
 
 
 class RemoteCommandError(Exception):

@@ -13,8 +13,11 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import nullcontext
 
+from . import output_lock
 from .errors import StageError
+from .parent import die_with_parent
 from .report import Reporter
 from .stages import STAGES
 
@@ -36,7 +39,10 @@ def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
         args = json.loads(ns.args)
     os.makedirs(ns.workdir, exist_ok=True)
     try:
-        STAGES[ns.stage](ns.workdir, args, reporter)
+        # a data-parallel rank runs under its launcher, which holds the output's lock
+        with nullcontext() if os.environ.get("EAGLE3_REPORT_JSONL") == "1" else \
+                output_lock.hold(ns.workdir, ns.stage, args, reporter.log):
+            STAGES[ns.stage](ns.workdir, args, reporter)
     except StageError as e:
         reporter.error(str(e))
         return 2
@@ -79,6 +85,7 @@ def install_stop_handlers() -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
     install_stop_handlers()
+    die_with_parent()
     if "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 

@@ -76,14 +76,22 @@ def status(rundir: str) -> dict:
 
 def launch(rundir: str, spec_file: str) -> dict:
     """Start the job described by `spec_file` in `rundir`, unless that job is already there: a running
-    job (this run's or a retry's) is attached to, never started twice; a finished one is reused only for
-    the same attach key and only if it succeeded. Any other earlier attempt is kept as RUNDIR.attempt-N."""
+    job (this run's or a retry's) is attached to, never started twice, and refused if it reads other
+    inputs; a finished one is reused only if it succeeded, for the same attach key and the same inputs.
+    Any other earlier attempt is kept as RUNDIR.attempt-N."""
     with open(spec_file) as f:
         spec = json.load(f)
     current = status(rundir)
     old_spec = _read_json(_path(rundir, SPEC)) or {}
+    same_inputs = old_spec.get("inputs") == spec.get("inputs")
+    if current["state"] in ("running", "starting") and not same_inputs and "inputs" in old_spec:
+        os.remove(spec_file)
+        return {"action": "refused", **current,
+                "reason": f"the job in {rundir} (pid {current.get('worker_pid')}) still runs on inputs that have "
+                          "changed since it started; a second one would write the same files. Wait for it to end, "
+                          f"or stop it (python -m eagle3_assets.worker.jobs stop '{rundir}'), then run again"}
     if current["state"] in ("running", "starting") or (
-            current["state"] == "exited" and current.get("returncode") == 0
+            current["state"] == "exited" and current.get("returncode") == 0 and same_inputs
             and old_spec.get("attach_key") == spec.get("attach_key")):
         os.remove(spec_file)
         return {"action": "attached", **current}
@@ -118,6 +126,8 @@ def launch(rundir: str, spec_file: str) -> dict:
 
 def _supervise(rundir: str) -> int:
     spec = _read_json(_path(rundir, SPEC))
+    # the environment may hold tokens: keep only its names on disk once it is read
+    _write_json(_path(rundir, SPEC), {**spec, "env": sorted(spec.get("env", {}))})
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # SIGTERM reaches the whole group (see stop); the supervisor outlives it to record the worker's end.
     signal.signal(signal.SIGTERM, lambda *_: None)

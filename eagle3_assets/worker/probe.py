@@ -30,13 +30,26 @@ def worker_files(package_dir: str) -> list[str]:
     return out
 
 
-def fingerprint(package_dir: str) -> str:
-    h = hashlib.sha256()
+def read_files(package_dir: str) -> dict:
+    """The worker files' bytes by relative path ('/'-separated), read once: what is hashed is what is shipped."""
+    out = {}
     for rel in worker_files(package_dir):
-        h.update(rel.replace(os.sep, "/").encode() + b"\0")
         with open(os.path.join(package_dir, rel), "rb") as f:
-            h.update(f.read() + b"\0")
+            out[rel.replace(os.sep, "/")] = f.read()
+    return out
+
+
+def fingerprint_of(files: dict) -> str:
+    h = hashlib.sha256()
+    for rel, data in files.items():
+        h.update(rel.encode() + b"\0")
+        h.update(data + b"\0")
     return h.hexdigest()[:16]
+
+
+def digests_of(files: dict) -> dict:
+    """sha256 of each worker file: what names the files of an uploaded copy that were changed on the host."""
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
 
 
 def _package(code_dir):
@@ -46,9 +59,13 @@ def _package(code_dir):
     if spec is None or not spec.submodule_search_locations:
         return {"installed": False}
     pkg = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(pkg, "__init__.py")):  # a damaged copy: a namespace package
+        return {"installed": False, "dir": pkg}
     with open(os.path.join(pkg, "__init__.py")) as f:
         m = re.search(r'__version__\s*=\s*"([^"]+)"', f.read())
-    return {"installed": True, "dir": pkg, "version": m.group(1) if m else None, "fingerprint": fingerprint(pkg)}
+    files = read_files(pkg)
+    return {"installed": True, "dir": pkg, "version": m.group(1) if m else None, "fingerprint": fingerprint_of(files),
+            "files": digests_of(files)}
 
 
 def _gpus() -> dict:
