@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -34,9 +35,25 @@ def _stage(workdir, stage, args, timeout=900):
     return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
 
 
+# Every process this test session starts (stages, workers, their servers) inherits this tag, so the fault tests
+# find and end only their own servers, never another vLLM on the machine.
+TAG = f"EAGLE3_TEST_SESSION={uuid.uuid4().hex}"
+os.environ[TAG.split("=")[0]] = TAG.split("=")[1]
+
+
 def _engine_processes(marker: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+    """'pid cmdline' of the live processes of this session whose command line holds `marker`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or TAG.encode() not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if marker in cmd and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(f"{d.name} {cmd}")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return found
 
 
 def _checks(result) -> dict:
