@@ -4,6 +4,7 @@ and the data half of the graph materialized once on the embedded SmolLM2 at tiny
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -22,6 +23,19 @@ TINY = {
     "hidden_state_shards": {"config": {"dtype": "float32", "batch_tokens": 256}},
     "vocab_mapping": {"config": {"draft_vocab_size": 64}},
 }
+
+
+def pytest_configure(config):
+    """The fast tier (`-m "not slow"`) runs torch single-threaded, in this process and in every worker it starts
+    (they inherit OMP_NUM_THREADS), unless OMP_NUM_THREADS is set already. The tests' models are tiny: a second
+    OpenMP thread buys ~15% on an idle 2-core machine, but on a shared one, where the other core is busy, the
+    threads' lock-step waits made a 24-token greedy generation of SmolLM2 take 26 s instead of 2 s (and the
+    fast tier 21 minutes). The full suite (CI, the vLLM servers) keeps torch's default."""
+    if "not slow" in (config.option.markexpr or "") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
 
 
 class Graph:

@@ -74,13 +74,14 @@ def test_target_that_is_not_a_causal_lm(graph, tmp_path):
 def test_killed_extraction_leaves_no_shard_that_looks_complete(built, tmp_path):
     """The worker is killed -9 in the middle of a shard: the shard is absent (only a temp dir without a
     manifest remains); the next run of that shard cleans up and completes."""
-    n, length = 24, 400
+    # 8 samples of 128 tokens, one part each: the kill lands after the second part, with six still to come
+    n, length = 8, 128
     rows = [{"id": f"s{i}", "input_ids": [(7 * i + j) % 49000 + 10 for j in range(length)],
              "loss_mask": [j % 2 for j in range(length)]} for i in range(n)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "conv.parquet")
     target = built.latest("target_model")["path"]
     args = {"target": target, "conversations": "conv.parquet", "out_dir": "hs", "shard": 0, "samples_per_shard": n,
-            "batch_tokens": 400, "part_bytes": 1, "dtype": "float32"}
+            "batch_tokens": length, "part_bytes": 1, "dtype": "float32"}
     cmd = [sys.executable, "-m", "eagle3_assets.worker", "extract", "--workdir", str(tmp_path), "--args", json.dumps(args)]
     env = {**os.environ, "EAGLE3_NO_BAR": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

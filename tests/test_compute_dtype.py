@@ -29,7 +29,7 @@ def _stage(workdir, stage, args, force=None):
 def test_extraction_on_a_cpu_chooses_its_dtype_from_the_cpu(built, tmp_path, force, dtype, why):
     meta, log = _stage(built.workdir, "extract", {
         "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
-        "shard": 0, "samples_per_shard": 3, "out_dir": str(tmp_path / "hs")}, force)
+        "shard": 0, "samples_per_shard": 1, "out_dir": str(tmp_path / "hs")}, force)
     assert meta["dtype"] == meta["manifest"]["dtype"] == dtype and meta["dtype_choice"] == why
     assert meta["cpu_bf16_probe"] == f"EAGLE3_CPU_BF16={force}" and meta["cpu"] and "cpu_isa" in meta
     assert f"computing in {dtype} ({why}) on {meta['cpu']}" in log
@@ -38,7 +38,7 @@ def test_extraction_on_a_cpu_chooses_its_dtype_from_the_cpu(built, tmp_path, for
 def test_an_explicit_dtype_wins_over_the_cpu_probe(built, tmp_path):
     meta, _ = _stage(built.workdir, "extract", {
         "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
-        "shard": 0, "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "dtype": "bfloat16"}, "0")
+        "shard": 0, "samples_per_shard": 1, "out_dir": str(tmp_path / "hs"), "dtype": "bfloat16"}, "0")
     assert meta["dtype"] == "bfloat16" and meta["dtype_choice"] == "set"
 
 

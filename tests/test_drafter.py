@@ -318,6 +318,7 @@ def test_hidden_states_of_the_wrong_width_are_rejected(trained, tmp_path):
     assert "4096-wide" in done.stderr and "hidden size is 576" in done.stderr
 
 
+@pytest.mark.slow  # three training processes (one alone, then a 2-rank gloo group): ~22 s of CPU
 def test_data_parallel_training_splits_each_step_across_processes(trained, tmp_path):
     """Two processes (gloo on CPU; NCCL on GPUs) share each optimizer step: half the steps, one model."""
     target = trained.latest("target_model")["path"]
