@@ -77,6 +77,10 @@ def _shipped() -> dict:
 
 
 RECIPES["shipped"] = _shipped()
+# Shard format v2 against v1, same recipe and seed, at a fixed 5 epochs (no time budget: the same steps on any
+# machine); only the training shards differ.
+RECIPES["e5_native"] = {**{k: v for k, v in RECIPES["shipped"].items() if k != "time_budget_s"}, "epochs": 5}
+RECIPES["e5_fp8"] = {**RECIPES["e5_native"], "storage": "fp8"}
 
 # Round two (on a GPU host, `ablate --parallel`): one change at a time on top of r1_best.
 CHANGES: dict[str, dict] = {
@@ -110,6 +114,8 @@ CHANGES.update({
 for _name, _change in CHANGES.items():
     RECIPES[_name] = _on("r1_best", **_change)
 DESCRIBE = {
+    "e5_native": "the shipped recipe at 5 epochs, format v1 (bf16) training shards",
+    "e5_fp8": "the same on format v2 (fp8 e4m3, per-token scales) training shards",
     **{n: "r1_best + " + ", ".join(f"{k}={v}" for k, v in c.items()) for n, c in CHANGES.items()},
     "r1_best": "round one's best: lr_6e-4 + target-layer init + trained lm_head + loss on all tokens, 10 epochs",
     "n100": "r1_best on the first 100 training prompts (code and maths only: superseded by random subsets)",
@@ -250,16 +256,18 @@ def subset(w: Path, n: int, kind: str = "first") -> str:
     return name
 
 
-def shards_for(w: Path, split_name: str, aux_layers: list[int] | None) -> str:
+def shards_for(w: Path, split_name: str, aux_layers: list[int] | None, storage: str = "native") -> str:
     """The split's hidden states, extracted on first use (other aux layers than the default, subsets)."""
     import pyarrow.parquet as pq
 
     info = json.loads((w / "prepared.json").read_text())
-    out = f"hidden_states/{split_name}" + (f"-aux-{'-'.join(map(str, aux_layers))}" if aux_layers else "")
+    out = f"hidden_states/{split_name}" + (f"-aux-{'-'.join(map(str, aux_layers))}" if aux_layers else "") \
+        + ("" if storage == "native" else f"-{storage}")
     if not (w / out / "shard-00000" / "manifest.json").exists():
         n = pq.read_metadata(w / "conversations" / f"{split_name}.parquet").num_rows
         stage(w, "extract", {"target": info["target"], "conversations": f"conversations/{split_name}.parquet",
-                             "out_dir": out, "shard": 0, "samples_per_shard": n, "aux_layers": aux_layers})
+                             "out_dir": out, "shard": 0, "samples_per_shard": n, "aux_layers": aux_layers,
+                             "storage": storage})
     return f"{out}/shard-00000"
 
 
@@ -273,10 +281,12 @@ def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
                                "draft_vocab_size": hp["draft_vocab_size"]})
     aux = hp.get("aux_layers")
     train_split = subset(w, int(hp["train_prompts"]), hp.get("subset", "first")) if hp.get("train_prompts") else "train"
-    train_shards, dev_shards = shards_for(w, train_split, aux), shards_for(w, "dev", aux)
+    # `storage` is the training data's: the dev figures are always read from the same native shards
+    train_shards, dev_shards = shards_for(w, train_split, aux, hp.get("storage", "native")), shards_for(w, "dev", aux)
     if inputs_only:
         return {}
-    args = {k: v for k, v in hp.items() if k not in ("draft_vocab_size", "aux_layers", "train_prompts", "subset")}
+    args = {k: v for k, v in hp.items() if k not in ("draft_vocab_size", "aux_layers", "train_prompts", "subset",
+                                                     "storage")}
     meta, res = stage(w, "train", {"target": info["target"], "shards": [train_shards], "eval_shards": [dev_shards],
                                    "vocab": vocab, "out": f"drafters/{name}", "resume": False, **args})
     row = {"step": "ablate", "recipe": name, "settings": hp,
