@@ -27,7 +27,7 @@ def test_without_bf16_the_work_is_cut_and_training_has_a_time_budget():
     ops = lambda c, a: c["ops"][a]["config"]  # noqa: E731
     assert ops(small, "prompts")["max_train_conversations"] < ops(big, "prompts")["max_train_conversations"]
     assert ops(small, "conversations")["max_new_tokens"] < ops(big, "conversations")["max_new_tokens"]
-    assert ops(small, "eagle3_drafter")["time_budget_s"] <= ops(big, "eagle3_drafter")["time_budget_s"]
+    assert ops(small, "eagle3_drafter")["time_budget_s"] > 0 and "time_budget_s" not in ops(big, "eagle3_drafter")
     # what the overlay does not name is the recipe's, untouched
     assert {k: v for k, v in ops(small, "eagle3_drafter").items() if k != "time_budget_s"} == \
         {k: v for k, v in ops(big, "eagle3_drafter").items() if k != "time_budget_s"}
