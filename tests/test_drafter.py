@@ -334,3 +334,21 @@ def test_data_parallel_training_splits_each_step_across_processes(trained, tmp_p
     assert r2["data_parallel_processes"] == 2 and r2["steps"] == -(-r1["steps"] // 2)
     w = load_file(str(tmp_path / "two/model/model.safetensors"))
     assert all(torch.isfinite(t).all() for t in w.values() if t.is_floating_point())
+
+
+def test_the_greedy_check_finds_the_first_token_the_target_would_not_choose(trained):
+    """Offline acceptance checks losslessness by one teacher-forced pass: it must agree with token-by-token
+    greedy generation, and name the first token a broken speculator let through."""
+    import torch
+
+    from eagle3_assets.worker.speculate import first_non_greedy
+    from eagle3_assets.worker.target import load_model
+
+    target = load_model(Path(trained.latest("target_model")["path"]), "float32", "cpu")
+    prompt = [1, 504, 3458, 314, 260, 1789, 28]
+    with torch.inference_mode():
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert first_non_greedy(target, prompt, greedy, 1e-3) is None
+    i = min(5, len(greedy) - 1)
+    wrong = greedy[:i] + [(greedy[i] + 1) % target.config.vocab_size] + greedy[i + 1:]
+    assert first_non_greedy(target, prompt, wrong, 1e-3) == i
