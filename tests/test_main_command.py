@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = """
 ops:
   prompts: {config: {max_train_conversations: 4}}
-  conversations: {config: {max_new_tokens: 8, samples_per_shard: 2}}
+  conversations: {config: {max_new_tokens: 8, samples_per_shard: 2, extra_args: [--enforce-eager]}}
   vocab_mapping: {config: {draft_vocab_size: 128}}
   eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
   offline_acceptance: {config: {limit: 2, max_new_tokens: 8}}
   serving_benchmark: {config: {limit: 2, max_new_tokens: 8, concurrencies: [1], baseline: false, dtype: float32,
-                               max_model_len: 1024}}
+                               max_model_len: 1024, extra_args: [--enforce-eager]}}
 """
 
 
