@@ -41,6 +41,25 @@ def test_target_model_data_version_is_stable_across_rematerialization(built):
     assert built.data_version("target_model") == before
 
 
+def test_a_second_instance_copies_the_machines_converted_target(built, tmp_path):
+    """The GGUF is converted once per machine: another instance's target_model copies that conversion, the
+    same weights (data version), in seconds."""
+    import subprocess
+    import sys
+
+    from conftest import last_json
+
+    from eagle3_assets.worker.target import _cache_dir
+
+    cached = _cache_dir()
+    assert (cached / "config.json").exists()  # kept by the session's first conversion
+    done = subprocess.run([sys.executable, "-m", "eagle3_assets.worker", "prepare_target", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "copying the embedded target" in done.stderr and "converting" not in done.stderr
+    assert last_json(done.stdout)["weights_sha256"] == built.data_version("target_model")
+
+
 def test_prompts_split_is_disjoint_and_humaneval_is_available(built):
     meta = built.latest("prompts")
     train = pq.read_table(built.workdir / "prompts/train.parquet").to_pylist()

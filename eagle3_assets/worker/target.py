@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,18 +28,47 @@ def embedded_gguf() -> Path:
     return path
 
 
+CACHE_ENV = "EAGLE3_CACHE"  # where converted embedded targets are kept per machine (default ~/.cache/eagle3-assets)
+
+
+def _cache_dir() -> Path:
+    """The converted target for this GGUF and this transformers (whose GGUF dequantization makes the weights),
+    shared by every instance on the machine: the conversion costs ~25 s on 2 cores, a copy under a second."""
+    import transformers
+
+    gguf = embedded_gguf()
+    st = gguf.stat()
+    key = hash_files([gguf])[:16] if st.st_size < (1 << 30) else f"{st.st_size}-{int(st.st_mtime)}"
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "eagle3-assets")
+    return root / "embedded-target" / f"{key}-transformers-{transformers.__version__}" / Path(EMBEDDED_DIR).name
+
+
 def convert_embedded(out_dir: Path, reporter) -> Path:
-    """GGUF (Q4_1) -> bf16 safetensors directory. transformers refuses save_pretrained on a GGUF-loaded
-    model, so the weights are moved into a fresh model built from the same config."""
+    """GGUF (Q4_1) -> bf16 safetensors directory, or a copy of the machine's cached conversion.
+    transformers refuses save_pretrained on a GGUF-loaded model, so the weights are moved into a fresh model
+    built from the same config. Both the cache and out_dir are written under a temporary name and renamed:
+    present means complete."""
     if (out_dir / "config.json").exists():
-        return out_dir  # written atomically below, so present means complete
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+        return out_dir
+    import shutil
 
     from .files import replace_dir
 
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cached = _cache_dir()
+    if (cached / "config.json").exists():
+        reporter.log(f"copying the embedded target, converted before on this machine, from {cached}")
+        shutil.copytree(cached, tmp)
+        replace_dir(tmp, out_dir)
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
     gguf = embedded_gguf()
-    reporter.log(f"converting the embedded target {gguf.name} to a bf16 safetensors directory (once)")
+    reporter.log(f"converting the embedded target {gguf.name} to a bf16 safetensors directory (once per machine, "
+                 f"kept in {cached.parent}; ${CACHE_ENV} moves it)")
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     cfg = src.config.to_dict()
@@ -48,10 +78,15 @@ def convert_embedded(out_dir: Path, reporter) -> Path:
     config = LlamaConfig.from_dict(cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(src.state_dict())
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    try:  # the cache is a convenience: a read-only or full home must not fail the stage
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        ctmp = cached.with_name(f".tmp-{cached.name}-{os.getpid()}")
+        shutil.copytree(tmp, ctmp)
+        replace_dir(ctmp, cached)
+    except OSError as e:
+        reporter.log(f"could not keep the converted target in {cached} ({e}); converting again next time", "warning")
     replace_dir(tmp, out_dir)
     return out_dir
 
