@@ -374,7 +374,9 @@ def table() -> str:
     rows = [json.loads(x) for x in LOG.read_text().splitlines()] if LOG.exists() else []
     ablate = {r["recipe"]: r for r in rows if r["step"] == "ablate"}  # the latest run of each recipe
     served = {r["recipe"]: r for r in rows if r["step"] == "serve"}
-    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) if xs else ""
+    def fmt(xs):
+        return " / ".join(f"{x:.2f}" for x in xs) if xs else ""
+
     out = ["Dev: teacher-forced chain acceptance length at k=3 on the 74 dev prompts' replies (the figure the "
            "recipe was tuned on). Round one ran on this CPU: the first three changes build on each other, the rest "
            "each on lr_6e-4. Later rounds ran on one H200, each change on r1_best (train s: that device's, 8-11 runs "

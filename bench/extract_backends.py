@@ -25,13 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import drafter_recipe as recipe  # noqa: E402
-
 from eagle3_assets.worker.compute_dtype import cpu  # noqa: E402
 
 
 def rows(shard: Path) -> dict[str, dict]:
-    from safetensors.torch import load_file
     import pyarrow.parquet as pq
+    from safetensors.torch import load_file
 
     m = json.loads((shard / "manifest.json").read_text())
     parts = {f["name"]: load_file(str(shard / f["name"])) for f in m["files"]}

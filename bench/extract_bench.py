@@ -148,9 +148,9 @@ def main():
         if design == "forward":
             fn = lambda s: run_forward(model, s, aux, args.batch_tokens)  # noqa: E731
         elif design == "ours":
-            fn = lambda s: extract_samples(model, s, out, aux, **kw)  # noqa: E731
+            fn = lambda s, out=out, kw=kw: extract_samples(model, s, out, aux, **kw)  # noqa: E731
         else:
-            fn = lambda s: run_naive(model, s, out, args.batch_tokens)  # noqa: E731
+            fn = lambda s, out=out: run_naive(model, s, out, args.batch_tokens)  # noqa: E731
         fn(warm)  # compile/warm-up kernels and allocator; not timed
         shutil.rmtree(out)
         out.mkdir()

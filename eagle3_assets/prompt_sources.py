@@ -11,10 +11,10 @@ import hashlib
 import importlib.util
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
 
 import fsspec
 import pyarrow as pa

@@ -13,7 +13,6 @@ import pytest
 from eagle3_assets.assets import all_assets
 from eagle3_assets.hosts import LocalGpuHost
 
-
 # Tiny but real: 6 training conversations, 3 per shard, short replies.
 TINY = {
     "prompts": {"config": {"max_train_conversations": 6}},
@@ -56,7 +55,8 @@ class Graph:
     def latest(self, name: str, partition: str | None = None) -> dict:
         ev = self.instance.get_latest_materialization_event(dg.AssetKey(name)) if partition is None else \
             next(iter(self.instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition]), limit=1).records)).event_log_entry
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition]),
+                limit=1).records)).event_log_entry
         return {k: v.value for k, v in ev.asset_materialization.metadata.items()}
 
     def data_version(self, name: str, partition: str | None = None) -> str:

@@ -53,7 +53,7 @@ class SshServer:
         self.proc: subprocess.Popen | None = None
         self.user = os.environ.get("USER") or subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
 
-    def start(self) -> "SshServer":
+    def start(self) -> SshServer:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT)

@@ -64,7 +64,8 @@ def _train_args(built, out: str, **kw) -> dict:
 def _extract(built, work: Path, aux_layers: list[int] | None) -> None:
     done = _worker(work, "extract", {
         "target": built.latest("target_model")["path"],
-        "conversations": str(built.workdir / "conversations/conversations.parquet"), "out_dir": "hidden_states", "shard": 0, "samples_per_shard": 3, "dtype": "float32", "batch_tokens": 256,
+        "conversations": str(built.workdir / "conversations/conversations.parquet"), "out_dir": "hidden_states",
+        "shard": 0, "samples_per_shard": 3, "dtype": "float32", "batch_tokens": 256,
         "aux_layers": aux_layers})
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -53,7 +53,8 @@ def ui(tmp_path_factory):
                 pass
             time.sleep(1)
         else:
-            raise AssertionError(f"dagster dev did not serve the code location:\n{(home / 'dagster_dev.log').read_text()[-3000:]}")
+            log = (home / "dagster_dev.log").read_text()[-3000:]
+            raise AssertionError(f"dagster dev did not serve the code location:\n{log}")
         yield base, home
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

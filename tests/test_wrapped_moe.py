@@ -332,7 +332,8 @@ def test_a_drafter_whose_ids_match_the_shards_is_accepted_in_any_convention(pipe
                               "output of layer i)"), "eagle_config.eagle_aux_hidden_state_layer_ids [1, 3, 4]"),
     # a SpecForge-style list read as vLLM's: the classic off-by-one
     ("vllm", [0, 2, 3], ("[0, 2, 3] in our output-of-layer numbering (its config's eagle_aux_hidden_state_layer_ids "
-                         "says [1, 3, 4], vLLM/speculators: capture before layer i)"), "eagle_aux_hidden_state_layer_ids [2, 4, 5]"),
+                         "says [1, 3, 4], vLLM/speculators: capture before layer i)"),
+     "eagle_aux_hidden_state_layer_ids [2, 4, 5]"),
 ])
 def test_a_drafter_one_layer_off_is_refused_before_training(pipeline, kimi, tmp_path, convention, off, written, spelled):
     shard_ids = pipeline.latest("eagle3_drafter")["aux_layer_ids"]

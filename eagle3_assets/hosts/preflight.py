@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..worker import probe
 
@@ -32,7 +32,7 @@ def local_files() -> dict[str, str]:
 
 
 def problems(info: dict[str, Any], *, where: str, gpus: bool, min_free_bytes: int,
-             code: str, need_bytes: Optional[int] = None) -> list[str]:
+             code: str, need_bytes: int | None = None) -> list[str]:
     """Everything that stops a stage from running on this host; empty when it can run."""
     out = []
     if tuple(int(x) for x in info["python"].split(".")[:2]) < (3, 10):
@@ -40,11 +40,11 @@ def problems(info: dict[str, Any], *, where: str, gpus: bool, min_free_bytes: in
     if info["missing"]:
         out.append(f"{where}: the Python at {info['executable']} lacks the worker's dependencies "
                    f"{', '.join(info['missing'])}: install them into that environment "
-                   f"(pip install 'eagle3-assets' brings them all) or point `python` at one that has them")
+                   f"(pip install 'eagle3-assets[worker]' brings them all) or point `python` at one that has them")
     pkg = info["package"]
     if code == "installed" and not pkg.get("installed"):
-        out.append(f"{where}: eagle3-assets is not installed for {info['executable']}: pip install it there, "
-                   f"or set code: upload to run the control plane's own worker code")
+        out.append(f"{where}: eagle3-assets is not installed for {info['executable']}: pip install "
+                   f"'eagle3-assets[worker]' there, or set code: upload to run the control plane's own worker code")
     elif code == "installed" and pkg["fingerprint"] != local_fingerprint():
         from .. import __version__
         out.append(f"{where}: the host runs eagle3-assets {pkg['version']} (worker code {pkg['fingerprint']}) from "

@@ -15,8 +15,9 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Literal
 
 import dagster as dg
 from pydantic import Field
@@ -56,14 +57,15 @@ class SshGpuHost(GpuHost):
     host: str = Field(description="host name or address")
     port: int = 22
     user: str = Field(default_factory=getpass.getuser)
-    key_file: Optional[str] = Field(default=None, description="private key; empty: the SSH agent and ~/.ssh keys")
-    key_passphrase: Optional[str] = Field(default=None, description="passphrase of key_file (use dg.EnvVar)")
-    password: Optional[str] = Field(default=None, description="password login, if keys are not an option (use dg.EnvVar)")
+    key_file: str | None = Field(default=None, description="private key; empty: the SSH agent and ~/.ssh keys")
+    key_passphrase: str | None = Field(default=None, description="passphrase of key_file (use dg.EnvVar)")
+    password: str | None = Field(default=None, description="password login, if keys are not an option (use dg.EnvVar)")
     allow_agent: bool = True
     known_hosts: str = Field(default="~/.ssh/known_hosts", description="host keys are verified against this file")
     accept_unknown_host_key: bool = Field(default=False, description="accept a host key not in known_hosts (logged)")
     python: str = Field(default="python3", description="the host's Python, with the worker's dependencies")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the worker (CUDA_VISIBLE_DEVICES, HF_HOME)")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="extra environment for the worker (CUDA_VISIBLE_DEVICES, HF_HOME)")
     code: Literal["upload", "installed"] = Field(
         default="upload", description="upload: run the control plane's own worker code, uploaded once per version "
                                       "(the host needs only the dependencies); installed: the host's installed "
@@ -116,8 +118,8 @@ class SshGpuHost(GpuHost):
             wd = home + "/" + wd.lstrip("~").lstrip("/")
         return wd.rstrip("/") or "/"
 
-    def _ready(self, context, conn: Connection, stage: Optional[str], gpus: Optional[bool] = None,
-               need_bytes: Optional[int] = None) -> dict:
+    def _ready(self, context, conn: Connection, stage: str | None, gpus: bool | None = None,
+               need_bytes: int | None = None) -> dict:
         """Probe the host, make sure the worker code is there, fail in seconds with every problem found."""
         gpus = self.require_gpus and (stage in preflight.GPU_STAGES if gpus is None else gpus)
         info = self._probe(conn, gpus)
@@ -174,7 +176,7 @@ class SshGpuHost(GpuHost):
         context.log.warning(f"the worker code in {dest} had been changed on the host ({what}); restored this control "
                             f"plane's version {preflight.local_fingerprint()} before running anything from it")
 
-    def check(self, context, gpus: bool, need_bytes: Optional[int] = None) -> dict:
+    def check(self, context, gpus: bool, need_bytes: int | None = None) -> dict:
         with self._connect(context.log.warning) as conn:
             return self._ready(context, conn, None, gpus=gpus, need_bytes=need_bytes)
 
@@ -224,11 +226,11 @@ class SshGpuHost(GpuHost):
                     raise
         return stage_outcome(stage, ended.get("returncode"), session, log_tail, how=describe_exit(ended))
 
-    def _jobs(self, conn: Connection, code_dir: Optional[str], *words: str, timeout_s: float = 60.0) -> dict:
+    def _jobs(self, conn: Connection, code_dir: str | None, *words: str, timeout_s: float = 60.0) -> dict:
         return conn.run_json([self.python, "-m", JOBS_MODULE, *words], f"{JOBS_MODULE} {words[0]}",
                              timeout_s=timeout_s, env={"PYTHONPATH": code_dir} if code_dir else None)
 
-    def _launch(self, conn: Connection, rundir: str, spec: dict, code_dir: Optional[str]) -> dict:
+    def _launch(self, conn: Connection, rundir: str, spec: dict, code_dir: str | None) -> dict:
         jobs_dir = rundir.rsplit("/", 1)[0]
         conn.fs.makedirs(jobs_dir, exist_ok=True)
         spec_path = f"{jobs_dir}/.spec-{uuid.uuid4().hex}.json"

@@ -10,8 +10,8 @@ import re
 import shlex
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import paramiko
 from fsspec.implementations.sftp import SFTPFileSystem
@@ -41,9 +41,9 @@ class SshTarget:
     host: str
     port: int
     user: str
-    key_file: Optional[str]
-    key_passphrase: Optional[str]
-    password: Optional[str]
+    key_file: str | None
+    key_passphrase: str | None
+    password: str | None
     allow_agent: bool
     known_hosts: str
     accept_unknown_host_key: bool
@@ -110,7 +110,7 @@ def open_client(t: SshTarget, warn: Callable[[str], None]) -> paramiko.SSHClient
                 f"(ssh-keyscan -p {t.port} {t.host} >> {known}), or set accept_unknown_host_key: true to accept "
                 f"it unverified", permanent=True) from None
         raise SshError(f"SSH to {t.where} failed: {e}", permanent=False) from None
-    except (OSError, socket.timeout) as e:  # refused, unreachable, DNS, timeout
+    except (TimeoutError, OSError) as e:  # refused, unreachable, DNS, timeout
         client.close()
         raise SshError(f"cannot reach {t.host}:{t.port} ({e}): check host, port and that sshd runs there",
                        permanent=False) from None
@@ -135,11 +135,11 @@ class Connection:
 
     def __init__(self, target: SshTarget, warn: Callable[[str], None], connect_attempts: int = 3):
         self.target, self.warn = target, warn
-        self.client: Optional[paramiko.SSHClient] = None
-        self.fs: Optional[HostFileSystem] = None
+        self.client: paramiko.SSHClient | None = None
+        self.fs: HostFileSystem | None = None
         self._open(attempts=connect_attempts, deadline=None)
 
-    def _open(self, attempts: Optional[int], deadline: Optional[float]) -> None:
+    def _open(self, attempts: int | None, deadline: float | None) -> None:
         delay, n = 0.5, 0
         while True:
             n += 1
@@ -167,13 +167,13 @@ class Connection:
                 pass
         self.client = self.fs = None
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, words: list[str], timeout_s: float = 60.0, env: Optional[dict] = None) -> tuple[int, str, str]:
+    def run(self, words: list[str], timeout_s: float = 60.0, env: dict | None = None) -> tuple[int, str, str]:
         """Run a command given as words; each word is quoted, so nothing in it reaches the shell as syntax.
         `env` goes through the command's stdin, never its command line: every process's command line on the
         host is readable by every user there (ps), and the environment may hold tokens."""
@@ -193,14 +193,14 @@ class Connection:
             raise paramiko.SSHException("the connection dropped before the remote command finished")
         return rc, out, err
 
-    def run_json(self, words: list[str], what: str, timeout_s: float = 60.0, env: Optional[dict] = None) -> dict:
+    def run_json(self, words: list[str], what: str, timeout_s: float = 60.0, env: dict | None = None) -> dict:
         rc, out, err = self.run(words, timeout_s, env)
         lines = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
         if rc != 0 or not lines:
             raise RemoteCommandError(what, words[0], rc, (err or out).strip())
         return json.loads(lines[-1])
 
-    def read_bytes(self, path: str, offset: int = 0, limit: Optional[int] = None) -> bytes:
+    def read_bytes(self, path: str, offset: int = 0, limit: int | None = None) -> bytes:
         with self.fs.ftp.open(path, "rb") as f:
             f.seek(offset)
             return f.read(limit) if limit is not None else f.read()

@@ -26,7 +26,7 @@ _ACCEPTED_ARCHS = {ARCH, "Eagle3LlamaForCausalLM"}
 
 
 def expected_tensors(c: DraftConfig) -> dict[str, list[int]]:
-    H, I, d = c.hidden_size, c.intermediate_size, c.head_dim
+    H, I, d = c.hidden_size, c.intermediate_size, c.head_dim  # noqa: E741  (the paper's names)
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     later = {}  # layers after the first (vLLM's layers.{i}): plain Llama layers, H-wide attention input
     for i in range(1, c.num_hidden_layers):

@@ -15,7 +15,6 @@ from pathlib import Path
 from .errors import StageError
 from .shard_writer import Sample
 
-
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding eagle3_assets/
 
 

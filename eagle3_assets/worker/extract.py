@@ -17,8 +17,19 @@ import pyarrow.parquet as pq
 
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
-from .shard_format import (FORMAT, FORMAT_V2, INDEX, LAYER_CONVENTION, MANIFEST, bytes_per_token, check_aux_layers,
-                           check_storage, default_aux_layers, part_tokens, shard_name)
+from .shard_format import (
+    FORMAT,
+    FORMAT_V2,
+    INDEX,
+    LAYER_CONVENTION,
+    MANIFEST,
+    bytes_per_token,
+    check_aux_layers,
+    check_storage,
+    default_aux_layers,
+    part_tokens,
+    shard_name,
+)
 from .shard_writer import Sample, ShardWriter
 from .target_size import check_fits
 

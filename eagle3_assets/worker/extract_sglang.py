@@ -24,7 +24,8 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     python, info, ids, tp, dp = run.python, run.info, run.capture_ids, run.tp, run.dp
     nonce = uuid.uuid4().hex
     spec = {"target": str(target), "out_dir": str(tmp.resolve()), "nonce": nonce, "capture_ids": ids,
-            "aux_columns": run.aux_columns, "final_column": run.final_column, "tensor_parallel_size": tp, "data_parallel_size": dp,
+            "aux_columns": run.aux_columns, "final_column": run.final_column, "tensor_parallel_size": tp,
+            "data_parallel_size": dp,
             "dtype": args.get("dtype", "bfloat16"), "batch_tokens": int(args.get("batch_tokens", 16384)),
             "part_bytes": int(args.get("part_bytes", 1 << 30)), "io_threads": int(args.get("io_threads", 4)),
             "storage": args.get("storage", "native"),

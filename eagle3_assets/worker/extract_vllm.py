@@ -14,11 +14,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .engine_dump import collect, engine_run, loss_spans, stored_ids, validate_dump
 from .engines import vllm
 from .engines.server import EngineServer, free_port
-from .engine_dump import collect, engine_run, loss_spans, stored_ids, validate_dump
 from .errors import StageError
 from .shard_writer import Sample
+
 
 def is_wrapper(target: Path) -> bool:
     cfg = json.loads((target / "config.json").read_text())
@@ -77,7 +78,8 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
                 _post(port, _request(s, tmp.name))
             except (OSError, http.client.HTTPException, ValueError, StageError) as e:
                 why = server.died(wait_s=10)
-                raise StageError(f"extraction request for row {s.row} ({s.id}) failed: {e}" + (f"\n{why}" if why else ""))
+                raise StageError(f"extraction request for row {s.row} ({s.id}) failed: {e}"
+                                 + (f"\n{why}" if why else "")) from e
             progress.update(len(s.input_ids))
 
         total = sum(len(s.input_ids) for s in samples)

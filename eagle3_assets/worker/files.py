@@ -9,12 +9,11 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .errors import StageError
-
 
 # A name that becomes one directory under the host work directory: letters, digits, '-', '_', and dots only
 # between them (no '.', '..', hidden names or separators). Also the pattern of the Dagster configs' names.

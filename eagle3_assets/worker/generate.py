@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -133,7 +133,8 @@ def server_backend(engine_name: str):
         with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
                           health=engine.HEALTH) as server:
             reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
-            reporter.log(f"{engine_name} ready after {server.wait_ready(float(args.get('ready_timeout_s', 1200)), reporter):.0f} s")
+            ready = server.wait_ready(float(args.get("ready_timeout_s", 1200)), reporter)
+            reporter.log(f"{engine_name} ready after {ready:.0f} s")
 
             def complete(prompts: list[list[dict]], prog) -> list[Reply]:
                 encoded = [_prompt_ids(tok, p, s) for p in prompts]

@@ -11,9 +11,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 from .errors import StageError
 from .files import resolve
@@ -22,7 +22,7 @@ WAIT_ENV = "EAGLE3_OUTPUT_LOCK_WAIT_S"  # how long a second worker waits for the
 DEFAULT_WAIT_S = 60.0
 
 
-def output_of(workdir: str, args: dict) -> Optional[Path]:
+def output_of(workdir: str, args: dict) -> Path | None:
     """The file or directory a stage writes, from its arguments; None for a stage that writes nothing."""
     if args.get("out"):
         return resolve(workdir, str(args["out"]))

@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from tqdm import tqdm
 
@@ -46,7 +47,7 @@ class Reporter:
             print(f"[{level}] {msg}", file=sys.stderr, flush=True)
 
     @contextmanager
-    def progress(self, what: str, total: int, unit: str = "tokens", every_s: float = 5.0) -> Iterator["Progress"]:
+    def progress(self, what: str, total: int, unit: str = "tokens", every_s: float = 5.0) -> Iterator[Progress]:
         p = Progress(self, what, total, unit, every_s)
         try:
             yield p

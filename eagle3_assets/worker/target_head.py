@@ -36,7 +36,7 @@ def _locate(path: Path) -> dict[str, Path]:
     return out
 
 
-def load_target_head(path: Path, eps: float) -> "TargetHead":
+def load_target_head(path: Path, eps: float) -> TargetHead:
     from safetensors import safe_open
 
     where = _locate(path)

@@ -3,8 +3,8 @@ their acceptance figures. Standard library only (the engine runs in its own envi
 
 
 # The common frame of the support probes: a script run with the engine's Python (argv: architecture,
-# model_type, and for a wrapped target its text model's architecture) that imports the engine, runs the engine's own checks (which append to `reasons`) and
-# prints one JSON line.
+# model_type, and for a wrapped target its text model's architecture) that imports the engine, runs the
+# engine's own checks (which append to `reasons`) and prints one JSON line.
 _PROBE_HEAD = r'''
 import inspect, json, re, sys
 arch, model_type = sys.argv[1], sys.argv[2]

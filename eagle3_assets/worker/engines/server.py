@@ -41,7 +41,7 @@ class EngineServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "EngineServer":
+    def __enter__(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"$ {' '.join(self.argv)}\n".encode())

@@ -22,8 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
@@ -55,7 +59,7 @@ class Eagle3ConnectorMetadata(KVConnectorMetadata):
 
 
 class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.speculative_config is None or vllm_config.speculative_config.method != "extract_hidden_states":
             raise ValueError("Eagle3ShardConnector needs the 'extract_hidden_states' speculative method")
@@ -192,13 +196,13 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
             w.pool.shutdown(wait=True, cancel_futures=True)
 
     # ---------------- scheduler side ----------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
         pass
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = Eagle3ConnectorMetadata(pending_saves=self._pending)
         self._pending = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -208,7 +212,7 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
                 self._params[new.req_id] = params
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = self._params.pop(request.request_id, None)
         if params is None:
             return False, None  # not ours (or aborted before it was scheduled): nothing to save
@@ -221,11 +225,11 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
                                          list(block_ids)))
         return True, {"eagle3": {"dir": name}}
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
         if not 0 <= self.group_id < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self.group_id])
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return "LBNHC"  # each token's captured layers together, as the slot indexing above reads them
