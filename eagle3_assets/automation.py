@@ -3,6 +3,7 @@ retrain), and the sensor that turns a drop in a benchmark, or a failed benchmark
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -61,10 +62,27 @@ def regressions(rows: list[dict], new: dict) -> tuple[str, dict] | None:
     return (f"{new['engine']}: " + ", ".join(why), old) if why else None
 
 
-def _previous_storage_id(rows: list[dict], new: dict) -> int:
-    """The result before `new` on the same engine (any settings): context for a failed check's report."""
-    same = [r for r in rows if r["storage_id"] < new["storage_id"] and r["engine"] == new["engine"]]
-    return same[-1]["storage_id"] if same else new["storage_id"]
+def _judged(instance: dg.DagsterInstance, rec) -> dict:
+    """What a result is judged on: engine, settings and figures. Read from the result and its run only: its
+    lineage is walked by the report, for the results that dropped."""
+    meta = rec.event_log_entry.asset_materialization.metadata
+    return {"storage_id": rec.storage_id, "engine": lineage.engine_of(rec),
+            "settings": lineage.settings_of(instance, rec),
+            **{k: meta[k].value if k in meta else None for k in ("acceptance_length", "speedup")}}
+
+
+def _series(row: dict) -> str:
+    """The results a new one is compared with: one engine, one set of benchmark settings (hashed, to keep the
+    cursor small)."""
+    return hashlib.sha256(f"{row['engine']}\0{row['settings']}".encode()).hexdigest()[:16]
+
+
+def _previous_same_engine(instance: dg.DagsterInstance, rec) -> int:
+    """The result before `rec` on the same engine (any settings), else `rec` itself: context for a failed
+    check's report. Reads metadata only, newest first, so it stops at the first match."""
+    engine = lineage.engine_of(rec)
+    older = lineage.benchmark_records_between(instance, before=rec.storage_id, ascending=False, page=50)
+    return next((r.storage_id for r in older if lineage.engine_of(r) == engine), rec.storage_id)
 
 
 def _failed_checks(instance: dg.DagsterInstance, after: int) -> list[tuple[int, int | None, str]]:
@@ -90,25 +108,33 @@ def _failed_checks(instance: dg.DagsterInstance, after: int) -> list[tuple[int, 
 def benchmark_regression_sensor(context: dg.SensorEvaluationContext):
     """Each new serving_benchmark result against the previous one with the same engine and settings; a drop
     beyond the thresholds, or a failed benchmark check (Dagster OSS does not alert on those), becomes a
-    `benchmark_regression` report run that names what changed in the lineage."""
-    cursor = json.loads(context.cursor) if context.cursor else {"bench": 0, "checks": 0}
-    records = lineage.benchmark_records(context.instance)
-    rows = [lineage.history_row(context.instance, r) for r in records]
-    for row in rows:
-        if row["storage_id"] <= cursor["bench"]:
-            continue
-        cursor["bench"] = max(cursor["bench"], row["storage_id"])
-        if (found := regressions(rows, row)) is not None:
-            why, old = found
-            yield _report(row["storage_id"], old["storage_id"], why, f"drop-{row['storage_id']}")
-    for check_id, target, why in _failed_checks(context.instance, cursor["checks"]):
-        cursor["checks"] = max(cursor["checks"], check_id)
-        checked = [r for r in rows if target is None or r["storage_id"] == target] or rows[-1:]
-        if checked:
-            row = checked[-1]
-            yield _report(row["storage_id"], _previous_storage_id(rows, row), f"{row['engine']}: {why}",
-                          f"check-{check_id}")
-    context.update_cursor(json.dumps(cursor))
+    `benchmark_regression` report run that names what changed in the lineage.
+
+    The cursor holds the last result and check handled, and per engine and settings the figures of the latest
+    result: a tick reads only the results after it, each once, and walks no lineage."""
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    done, last = cursor.get("bench", 0), cursor.get("last")
+    # No per-series state yet (the first tick, or a cursor from before it was kept): build it from the first
+    # result, once; results up to `done` were judged by earlier ticks and are not reported again.
+    start, last = (done, last) if last is not None else (0, {})
+    for rec in lineage.benchmark_records_between(context.instance, after=start):
+        row = _judged(context.instance, rec)
+        series = _series(row)
+        if row["storage_id"] > done and series in last:
+            previous = {**last[series], "engine": row["engine"], "settings": row["settings"]}
+            if (found := regressions([previous, row], row)) is not None:
+                yield _report(row["storage_id"], previous["storage_id"], found[0], f"drop-{row['storage_id']}")
+        last[series] = {k: row[k] for k in ("storage_id", "acceptance_length", "speedup")}
+        done = max(done, row["storage_id"])
+    checks = cursor.get("checks", 0)
+    for check_id, target, why in _failed_checks(context.instance, checks):
+        checks = max(checks, check_id)
+        rec = lineage.record(context.instance, "serving_benchmark", target) if target is not None else None
+        rec = rec or next(lineage.benchmark_records_between(context.instance, ascending=False, page=1), None)
+        if rec is not None:
+            yield _report(rec.storage_id, _previous_same_engine(context.instance, rec),
+                          f"{lineage.engine_of(rec)}: {why}", f"check-{check_id}")
+    context.update_cursor(json.dumps({"bench": done, "checks": checks, "last": last}))
 
 
 def _report(new: int, old: int, why: str, key: str) -> dg.RunRequest:

@@ -1,7 +1,8 @@
 """Which checkpoint produced a benchmark result, and what it was trained on: Dagster's provenance walked
 back. Every materialization records, per upstream asset, the data version it consumed and the storage id
 of that upstream materialization (`dagster/input_event_pointer/<asset>`); following those ids from a
-benchmark reaches the exact drafter, vocab, shards, conversations, prompts and target behind it."""
+benchmark reaches the exact drafter, vocab, shards, conversations, prompts and target behind it, and the
+code version each was made with (`dagster/code_version`, a hash of the code it ran: code_versions.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import dagster as dg
 
 BENCHMARK = dg.AssetKey("serving_benchmark")
 POINTER = "dagster/input_event_pointer/"
+CODE_VERSION = "dagster/code_version"  # the asset's code_version when it ran (code_versions.py), per materialization
 # The chain a benchmark row carries, downstream first.
 CHAIN = ["drafter_export", "eagle3_drafter", "vocab_mapping", "hidden_state_shards", "conversations", "prompts",
          "target_model"]
+# Whose code versions a row carries: the benchmark's own code, then the chain's.
+CODED = ["serving_benchmark"] + CHAIN
 
 
 def record(instance: dg.DagsterInstance, asset: str, storage_id: int):
@@ -29,8 +33,8 @@ def _op_config(instance: dg.DagsterInstance, run_id: str, asset: str) -> dict:
 
 
 def chain(instance: dg.DagsterInstance, start) -> dict[str, dict[str, Any]]:
-    """asset -> {data_version, partition, run_id, timestamp, config} for the materialization `start` and
-    everything upstream of it, as consumed (not as the assets are now)."""
+    """asset -> {data_version, code_version, partition, run_id, timestamp, config} for the materialization
+    `start` and everything upstream of it, as consumed (not as the assets are now)."""
     out: dict[str, dict[str, Any]] = {}
     todo = [start]
     while todo:
@@ -39,9 +43,11 @@ def chain(instance: dg.DagsterInstance, start) -> dict[str, dict[str, Any]]:
         name = mat.asset_key.to_user_string()
         if name in out:
             continue
-        out[name] = {"data_version": mat.tags.get("dagster/data_version"), "partition": mat.partition,
-                     "run_id": rec.run_id, "timestamp": rec.timestamp, "config": _op_config(instance, rec.run_id, name)}
-        for key, value in mat.tags.items():
+        tags = mat.tags or {}  # None on an event reported from outside a run without tags
+        out[name] = {"data_version": tags.get("dagster/data_version"), "code_version": tags.get(CODE_VERSION),
+                     "partition": mat.partition, "run_id": rec.run_id, "timestamp": rec.timestamp,
+                     "config": _op_config(instance, rec.run_id, name)}
+        for key, value in tags.items():
             if key.startswith(POINTER) and (up := record(instance, key[len(POINTER):], int(value))) is not None:
                 todo.append(up)
     return out
@@ -52,6 +58,31 @@ def benchmark_records(instance: dg.DagsterInstance, limit: int = 10_000) -> list
     return list(reversed(instance.fetch_materializations(BENCHMARK, limit=limit).records))
 
 
+def benchmark_records_between(instance: dg.DagsterInstance, after: int | None = None, before: int | None = None,
+                              ascending: bool = True, page: int = 1000):
+    """The serving_benchmark materializations with storage ids strictly between `after` and `before`, oldest
+    first (or newest first), read a page at a time as they are consumed."""
+    where = dg.AssetRecordsFilter(asset_key=BENCHMARK, after_storage_id=after, before_storage_id=before)
+    cursor = None
+    while True:
+        got = instance.fetch_materializations(where, limit=page, cursor=cursor, ascending=ascending)
+        yield from got.records
+        if not got.has_more:
+            return
+        cursor = got.cursor
+
+
+def engine_of(rec) -> str | None:
+    """The engine a benchmark record measured (its metadata, else its partition), without walking lineage."""
+    mat = rec.event_log_entry.asset_materialization
+    return mat.metadata["engine"].value if "engine" in mat.metadata else mat.partition
+
+
+def settings_of(instance: dg.DagsterInstance, rec) -> str:
+    """The benchmark settings a result was measured with (its run's serving_benchmark config), as JSON."""
+    return json.dumps(_op_config(instance, rec.run_id, BENCHMARK.to_user_string()), sort_keys=True)
+
+
 def history_row(instance: dg.DagsterInstance, rec) -> dict[str, Any]:
     """One benchmark result with the lineage behind it: what a user compares, and what changed."""
     mat = rec.event_log_entry.asset_materialization
@@ -59,10 +90,10 @@ def history_row(instance: dg.DagsterInstance, rec) -> dict[str, Any]:
     up = chain(instance, rec)
     row = {
         "when": rec.timestamp, "run_id": rec.run_id, "storage_id": rec.storage_id,
-        "engine": meta.get("engine", mat.partition), "engine_version": meta.get("engine_version"),
+        "engine": engine_of(rec), "engine_version": meta.get("engine_version"),
         "num_speculative_tokens": meta.get("num_speculative_tokens"), "prompt_set": meta.get("prompt_set"),
         "max_new_tokens": meta.get("max_new_tokens"),
-        "settings": json.dumps(up.get("serving_benchmark", {}).get("config", {}), sort_keys=True),
+        "settings": json.dumps(up.get("serving_benchmark", {}).get("config", {}), sort_keys=True),  # = settings_of
         "acceptance_length": meta.get("acceptance_length"),
         "acceptance_per_pos": json.dumps(meta.get("acceptance_per_pos")),
         "speedup": meta.get("speedup"),
@@ -71,6 +102,8 @@ def history_row(instance: dg.DagsterInstance, rec) -> dict[str, Any]:
     }
     for asset in CHAIN:
         row[f"{asset}_version"] = up.get(asset, {}).get("data_version")
+    for asset in CODED:
+        row[f"{asset}_code_version"] = up.get(asset, {}).get("code_version")
     return row
 
 
@@ -88,6 +121,9 @@ def differences(old: dict, new: dict) -> list[str]:
         for asset in CHAIN[2:-1]:
             if old[f"{asset}_version"] != new[f"{asset}_version"]:
                 out.append(f"{asset} changed: {str(old[f'{asset}_version'])[:12]} -> {str(new[f'{asset}_version'])[:12]}")
+    code = [f"{a} {old.get(k)} -> {new.get(k)}" for a in CODED if old.get(k := f"{a}_code_version") != new.get(k)]
+    if code:
+        out.append("the code changed: " + ", ".join(code))
     if old["engine_version"] != new["engine_version"]:
         out.append(f"new engine version: {old['engine']} {old['engine_version']} -> {new['engine_version']}")
     if old["target_model_version"] != new["target_model_version"]:

@@ -1,5 +1,6 @@
 """The schedule re-benchmarks and never retrains; the definitions carry the sensor that reports regressions."""
 
+import json
 from datetime import datetime
 
 import dagster as dg
@@ -40,3 +41,62 @@ def test_a_drop_is_judged_against_the_previous_result_with_the_same_engine_and_s
     why, old = regressions(rows, rows[3])                          # -8.6 % against #3, not #1
     assert old["storage_id"] == 3 and why.startswith("vllm: acceptance_length 1.970 -> 1.800")
     assert regressions(rows, rows[4]) is None                      # another engine's first result
+
+
+def _result(instance: dg.DagsterInstance, acceptance_length: float, engine: str = "vllm") -> int:
+    """A serving_benchmark result (reported outside a run: its lineage is just itself), its storage id."""
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        "serving_benchmark", partition=engine,
+        metadata={"engine": engine, "acceptance_length": acceptance_length, "speedup": 1.5}))
+    return instance.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].storage_id
+
+
+def test_the_sensor_reads_each_new_result_once_and_walks_no_lineage(tmp_path, monkeypatch):
+    """The cursor carries what a new result is compared with: a tick without new results reads none, a new
+    one is read and judged once, and a cursor from before that state was kept is caught up once. The lineage
+    is left to the report run."""
+    from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+        AssetCheckEvaluationTargetMaterializationData,
+    )
+
+    from eagle3_assets import automation, lineage
+
+    walked, chains = [], []
+    judged, chain = automation._judged, lineage.chain
+    monkeypatch.setattr(automation, "_judged", lambda inst, rec: walked.append(rec.storage_id) or judged(inst, rec))
+    monkeypatch.setattr(lineage, "chain", lambda inst, rec: chains.append(rec.storage_id) or chain(inst, rec))
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        def tick(cursor):
+            walked.clear()
+            return automation.benchmark_regression_sensor.evaluate_tick(
+                dg.build_sensor_context(instance=instance, cursor=cursor))
+
+        first, second, other = _result(instance, 2.0), _result(instance, 1.98), _result(instance, 1.0, "sglang")
+        start = tick(None)
+        assert walked == [first, second, other] and start.run_requests == []
+        idle = tick(start.cursor)
+        assert walked == [] and idle.run_requests == [] and idle.cursor == start.cursor
+        drop = _result(instance, 1.5)
+        found = tick(idle.cursor)
+        assert walked == [drop]
+        assert [(r.run_key, r.run_config["ops"]["benchmark_regression"]["config"]["old_storage_id"])
+                for r in found.run_requests] == [(f"drop-{drop}", second)]
+        assert tick(found.cursor).run_requests == [] and walked == []
+        legacy = tick(json.dumps({"bench": drop, "checks": 0}))
+        assert legacy.run_requests == [] and sorted(walked) == [first, second, other, drop]
+
+        # a failed check on the newest result: reported once, against the previous result on its engine
+        rec = lineage.record(instance, "serving_benchmark", drop)
+        instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+            asset_key=lineage.BENCHMARK, check_name="speedup_above_1", passed=False,
+            severity=dg.AssetCheckSeverity.WARN, description="slower",
+            target_materialization_data=AssetCheckEvaluationTargetMaterializationData(
+                storage_id=drop, run_id=rec.run_id, timestamp=rec.timestamp)))
+        checked = tick(found.cursor)
+        assert walked == []
+        [request] = checked.run_requests
+        config = request.run_config["ops"]["benchmark_regression"]["config"]
+        assert request.run_key.startswith("check-")
+        assert (config["new_storage_id"], config["old_storage_id"]) == (drop, second)  # not the sglang one
+        assert config["why"].startswith("vllm: check speedup_above_1 failed")
+        assert tick(checked.cursor).run_requests == [] and chains == []

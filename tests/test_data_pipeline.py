@@ -48,7 +48,6 @@ def test_a_second_instance_copies_the_machines_converted_target(built, tmp_path)
     import sys
 
     from conftest import last_json
-
     from eagle3_assets.worker.target import _cache_dir
 
     cached = _cache_dir()

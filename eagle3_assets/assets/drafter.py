@@ -1,8 +1,9 @@
-from typing import Literal, Optional
+from typing import Literal
 
 import dagster as dg
 from pydantic import Field
 
+from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..worker.files import PLAIN_NAME
 from .hidden_states import OUT_DIR as SHARDS_DIR
@@ -20,7 +21,7 @@ class DrafterConfig(dg.Config):
     # (what the launchpad checks) carries types only.
     run_name: str = Field(default="default", pattern=PLAIN_NAME, description="output under drafter/<run_name>, a plain "
                           "name (letters, digits, -_.); a rerun with the same name, inputs and settings resumes")
-    init_from: Optional[str] = Field(default=None, description="an existing EAGLE-3 checkpoint directory on the host "
+    init_from: str | None = Field(default=None, description="an existing EAGLE-3 checkpoint directory on the host "
                                      "to finetune; its draft vocab and aux layers are reused")
     epochs: int = Field(default=3, gt=0)
     lr: float = Field(default=1e-4, gt=0)
@@ -42,7 +43,7 @@ class DrafterConfig(dg.Config):
     weight_decay: float = Field(default=0.0, ge=0)
     loss: Literal["soft", "hard"] = Field(default="soft", description="soft: cross-entropy against the target's "
                                           "distribution over the draft vocab; hard: against its greedy token")
-    init_layer: Optional[int] = Field(default=-1, description="start the (last) draft layer from this target decoder "
+    init_layer: int | None = Field(default=-1, description="start the (last) draft layer from this target decoder "
                                       "layer and earlier draft layers from the ones before it (-1: the last; "
                                       "measured +0.11 acceptance length held out); None: random")
     layer_lr: float = Field(default=1.0, ge=0, description="learning-rate multiplier for the draft decoder layers (fc, "
@@ -52,7 +53,7 @@ class DrafterConfig(dg.Config):
                             "acceptance length at 2")
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 matmuls on GPUs and "
                                                       "on CPUs with bf16 instructions")
-    time_budget_s: Optional[float] = Field(default=None, gt=0, description="train for about this many seconds: "
+    time_budget_s: float | None = Field(default=None, gt=0, description="train for about this many seconds: "
                                            "the first steps are timed, then the run is cut to the steps that fit "
                                            "and the learning-rate schedule planned for them (None: all epochs)")
     save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
@@ -72,7 +73,7 @@ def _shard_dirs(context: dg.AssetExecutionContext) -> list[str]:
 
 
 @dg.asset(group_name="drafter", kinds={"pytorch"}, deps=["hidden_state_shards", "vocab_mapping", "target_model"],
-          pool="gpu_host", code_version="1")
+          pool="gpu_host", code_version=code_version(__name__, "eagle3_drafter"))
 def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """The trained EAGLE-3 draft head (canonical checkpoint under drafter/<run_name>/model). Data version =
     hash of the saved weights: every export and benchmark downstream names the exact checkpoint."""
@@ -86,7 +87,8 @@ class ExportConfig(dg.Config):
     dialects: list[str] = Field(default=["vllm", "sglang"])
 
 
-@dg.asset(group_name="drafter", kinds={"safetensors"}, deps=["eagle3_drafter", "target_model"], code_version="1")
+@dg.asset(group_name="drafter", kinds={"safetensors"}, deps=["eagle3_drafter", "target_model"],
+          code_version=code_version(__name__, "drafter_export"))
 def drafter_export(context: dg.AssetExecutionContext, config: ExportConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """The drafter as vLLM and SGLang load it (exports/<version>/{vllm,sglang}), each validated against its
     contract: names, shapes, dtypes, config fields, and which target layers the engine will capture."""
@@ -103,13 +105,14 @@ class OfflineAcceptanceConfig(dg.Config):
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval")
     num_speculative_tokens: int = Field(default=3, gt=0)
     max_new_tokens: int = Field(default=64, gt=0)
-    limit: Optional[int] = Field(default=16, gt=0, description="prompts evaluated (None: all)")
-    dtype: Optional[str] = Field(default=None, description="default: float32 on CPU (exact), bfloat16 on GPU")
+    limit: int | None = Field(default=16, gt=0, description="prompts evaluated (None: all)")
+    dtype: str | None = Field(default=None, description="default: float32 on CPU (exact), bfloat16 on GPU")
 
 
 @dg.asset(group_name="drafter", kinds={"pytorch"}, deps=["eagle3_drafter", "prompts", "target_model"],
-          pool="gpu_host", code_version="1")
-def offline_acceptance(context: dg.AssetExecutionContext, config: OfflineAcceptanceConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
+          pool="gpu_host", code_version=code_version(__name__, "offline_acceptance"))
+def offline_acceptance(context: dg.AssetExecutionContext, config: OfflineAcceptanceConfig,
+                       gpu_host: GpuHost) -> dg.MaterializeResult:
     """Our own greedy chain speculative decoding on held-out prompts: acceptance length, per-position
     acceptance, and whether the output equals the target's greedy output. The reference for engine numbers."""
     if config.eval_set not in PROMPT_SETS:

@@ -1,8 +1,9 @@
-from typing import Literal, Optional
+from typing import Literal
 
 import dagster as dg
 from pydantic import Field
 
+from ..code_versions import code_version
 from ..hosts import GpuHost
 from .conversations import OUT as CONVERSATIONS
 from .partitions import shard_partitions
@@ -17,14 +18,14 @@ class HiddenStatesConfig(dg.Config):
                                   "one GPU holds); vllm: the target served by vLLM on the host with tensor/data "
                                   "parallelism and our KV connector writing the shard (targets no single GPU holds); "
                                   "sglang: SGLang's model runner, tensor/data parallel (held to SGLang 0.5.14, not run here)")
-    engine_python: Optional[str] = Field(default=None, description="vllm/sglang: the host Python with the engine")
+    engine_python: str | None = Field(default=None, description="vllm/sglang: the host Python with the engine")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs per engine (8 for Kimi-K2.5 on 8xH200)")
     data_parallel_size: int = Field(default=1, ge=1, description="vllm: engines on the host, each tensor_parallel_size GPUs")
     extra_args: list[str] = Field(default=[], description="vllm: more server arguments (--gpu-memory-utilization ...)")
     env: dict[str, str] = Field(default={}, description="vllm: server environment (VLLM_* settings)")
     concurrency: int = Field(default=32, ge=1, description="vllm: samples in flight")
     ready_timeout_s: float = Field(default=1800, gt=0, description="vllm: how long the server may take to load the target")
-    aux_layers: Optional[list[int]] = Field(
+    aux_layers: list[int] | None = Field(
         default=None, description="3 decoder layer ids, 'output of layer i' convention (HF hidden_states[i+1]). "
                                   "Empty: [1, N//2-1, N-4], which vLLM's and SGLang's defaults also capture")
     max_length: int = Field(default=2048, description="tokens per sample; longer samples are truncated")
@@ -38,7 +39,8 @@ class HiddenStatesConfig(dg.Config):
 
 
 @dg.asset(group_name="data", kinds={"pytorch", "safetensors"}, partitions_def=shard_partitions,
-          deps=["conversations", "target_model"], pool="gpu_host", code_version="1")
+          deps=["conversations", "target_model"], pool="gpu_host",
+          code_version=code_version(__name__, "hidden_state_shards"))
 def hidden_state_shards(context: dg.AssetExecutionContext, config: HiddenStatesConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """Per shard: the target's 3 aux-layer hidden states and final pre-norm hidden state for every token,
     as safetensors parts + a Parquet index on the host, from a transformers forward (`hf`) or from the serving

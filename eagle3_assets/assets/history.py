@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from .. import lineage
+from ..code_versions import code_version
 from ..worker import charts
 
 
@@ -46,7 +47,8 @@ def _history_chart(rows: list[dict], last: int = 12) -> str:
     return "\n\n".join(parts) or "no results yet"
 
 
-@dg.asset(group_name="serving", kinds={"parquet"}, deps=["serving_benchmark"], code_version="1")
+@dg.asset(group_name="serving", kinds={"parquet"}, deps=["serving_benchmark"],
+          code_version=code_version(__name__, "benchmark_history"))
 def benchmark_history(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
     """Every serving benchmark result with its lineage: engine and version, settings, acceptance length,
     per-position acceptance, speedup, and the checkpoint with the training config, vocab, shards,
@@ -75,7 +77,8 @@ class RegressionConfig(dg.Config):
     why: str = Field(default="", description="what dropped, by how much")
 
 
-@dg.asset(group_name="serving", kinds={"dagster"}, deps=["serving_benchmark"], code_version="1")
+@dg.asset(group_name="serving", kinds={"dagster"}, deps=["serving_benchmark"],
+          code_version=code_version(__name__, "benchmark_regression"))
 def benchmark_regression(context: dg.AssetExecutionContext, config: RegressionConfig) -> dg.MaterializeResult:
     """A report, made by the regression sensor, of a benchmark that dropped against the previous one with
     the same engine and settings: the two results and what differs between their lineages."""

@@ -1,20 +1,20 @@
-from typing import Optional
 
 import dagster as dg
 from pydantic import Field
 
+from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..worker.shard_format import bytes_per_token
 
 
 class HostPreflightConfig(dg.Config):
-    gpus: Optional[bool] = Field(default=None, description="require GPUs (nvidia-smi must list one); empty: the "
+    gpus: bool | None = Field(default=None, description="require GPUs (nvidia-smi must list one); empty: the "
                                                            "host's require_gpus")
     hidden_states_dtype: str = Field(default="bfloat16", description="dtype the shards will be extracted in")
     engines: list[str] = Field(default=[], description="engine checks against the current target, each "
                                "'<engine>:<purpose>': vllm:extract (hidden_state_shards backend vllm), "
                                "vllm:serve, sglang:serve; asked of the installed engine's own code")
-    engine_python: Optional[str] = Field(default=None, description="the host Python the engines are installed in")
+    engine_python: str | None = Field(default=None, description="the host Python the engines are installed in")
 
 
 def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int | None:
@@ -52,7 +52,7 @@ def check_engines(context: dg.AssetExecutionContext, gpu_host: GpuHost, config: 
     return out
 
 
-@dg.asset(group_name="host", kinds={"ssh"}, code_version="1")
+@dg.asset(group_name="host", kinds={"ssh"}, code_version=code_version(__name__, "host_preflight"))
 def host_preflight(context: dg.AssetExecutionContext, config: HostPreflightConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """Is the GPU host ready? It answers; its Python has the worker's dependencies and the control plane's
     worker code; nvidia-smi lists GPUs; its free disk covers the hidden states the current conversations

@@ -3,13 +3,14 @@ import json
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field
 
+from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, load_source, split
 
@@ -32,7 +33,7 @@ class PromptsConfig(dg.Config):
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="share held out for evaluation (never trained on)")
     max_user_turns: int = Field(default=8, gt=0, description="keep at most this many user turns per conversation")
     max_message_chars: int = Field(default=8000, gt=0, description="truncate longer messages")
-    max_train_conversations: Optional[int] = Field(default=None, gt=0, description="cap on the training split")
+    max_train_conversations: int | None = Field(default=None, gt=0, description="cap on the training split")
     include_humaneval: bool = Field(default=True, description="also write HumanEval's 164 prompts as an eval set")
     on_bad_record: Literal["fail", "skip"] = Field(default="fail", description="what a malformed record does")
 
@@ -43,7 +44,7 @@ def _table(convs) -> pa.Table:
           "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs], schema=SCHEMA)
 
 
-@dg.asset(group_name="data", kinds={"parquet"}, code_version="1")
+@dg.asset(group_name="data", kinds={"parquet"}, code_version=code_version(__name__, "prompts"))
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """Conversations to regenerate, deduplicated and cleaned, split into train and a held-out eval set
     (plus HumanEval). Only `prompts/train.parquet` feeds training assets."""

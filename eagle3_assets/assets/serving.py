@@ -1,9 +1,10 @@
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import dagster as dg
 from pydantic import Field
 
+from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..worker import charts
 from .prompts import PROMPT_SETS
@@ -30,14 +31,14 @@ INSPECT = [
 class ServingBenchmarkConfig(dg.Config):
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval; the offline "
                                                        "reference must use the same for the consistency check")
-    limit: Optional[int] = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
+    limit: int | None = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
     max_new_tokens: int = Field(default=64, gt=0, description="per request, as offline_acceptance's")
     num_speculative_tokens: int = Field(default=3, gt=0)
     concurrencies: list[Annotated[int, Field(gt=0)]] = Field(default=[1, 8], min_length=1,
                                                              description="requests in flight, one measurement each")
     dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
     max_model_len: int = Field(default=4096, gt=0)
-    engine_python: Optional[str] = Field(default=None, description="the host Python with the engine installed "
+    engine_python: str | None = Field(default=None, description="the host Python with the engine installed "
                                                                     "(default: the worker's)")
     extra_args: list[str] = Field(default=[], description="more server arguments, passed through as given")
     env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
@@ -55,7 +56,7 @@ def _exported_checkpoint(context) -> str:
 
 
 @dg.asset(group_name="serving", kinds={"vllm", "sglang"}, partitions_def=engine_partitions, pool="gpu_host",
-          deps=["drafter_export", "target_model", "prompts"], code_version="1",
+          deps=["drafter_export", "target_model", "prompts"], code_version=code_version(__name__, "serving_benchmark"),
           check_specs=[dg.AssetCheckSpec(CONSISTENCY, asset="serving_benchmark", additional_deps=["offline_acceptance"],
                                          description="engine acceptance length vs our offline reference for the same "
                                                      "checkpoint: far below it is an integration fault"),
