@@ -9,6 +9,7 @@ ones (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`), and vLLM's `layers.{i}.*` fo
 Attention over a training-time-test unroll: step 0 is causal over the sequence; a query at step i ≥ 1 and
 position t sees step-0 keys at positions ≤ t (same document) and its own chain's keys of steps 1..i at t.
 That is what a drafting chain sees at inference: the verified context, then its own draft tokens.
+On the CPU that attention is `chain_attention` (dense, exact); on the GPU `chain_attention.py`'s flex path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .chain_attention import ChainMasks, flex_chain_attention
 
 
 @dataclass
@@ -37,7 +40,7 @@ class DraftConfig:
     num_hidden_layers: int = 1  # the first reads [embedding, hidden] (2H); the rest are plain Llama layers
 
     @classmethod
-    def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
+    def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftConfig:
         """A Llama-style draft layer of the target's text model's width (a wrapper's text_config)."""
         tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         heads = tc.num_attention_heads
@@ -102,22 +105,35 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: list, mask0):
         """x: [B, T, 2H]. cache: (k, v) of earlier unroll steps, step 0 first; this step's are appended.
-        mask0: bool [B, 1, T, T0] over the step-0 keys (None: plain causal)."""
+        mask0: bool [B, 1, T, T0] over the step-0 keys (None: plain causal), or the batch's ChainMasks (the
+        GPU path: flex attention)."""
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, k, v, cache, mask0))
+
+    def project(self, x, cos, sin, w=None):
+        """w: the layer's weights cast once per forward (`Eagle3Drafter.cast_weights`), or None."""
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = _linear(self.q_proj, x, w, 0).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = _linear(self.k_proj, x, w, 1).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = _linear(self.v_proj, x, w, 2).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v, cache: list, mask0):
+        """[B, T, heads * head_dim], before o_proj."""
+        B, _, T, _ = q.shape
+        c = self.c
         rep = c.num_attention_heads // c.num_key_value_heads
-        if not cache:
-            cache.append((k, v))
+        cache.append((k, v))
+        if isinstance(mask0, ChainMasks):
+            out = flex_chain_attention(q, cache, mask0)
+        elif len(cache) == 1:
             out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                  attn_mask=mask0, is_causal=mask0 is None)
         else:
-            cache.append((k, v))
             out = chain_attention(q, cache[0], cache[1:], mask0, rep)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return out.transpose(1, 2).reshape(B, T, -1)
 
 
 def chain_attention(q, step0, chain, mask0, rep: int):
@@ -146,8 +162,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, w=None):
+        return _linear(self.down_proj, F.silu(_linear(self.gate_proj, x, w, 4)) * _linear(self.up_proj, x, w, 5), w, 6)
 
 
 class MidLayer(nn.Module):
@@ -159,11 +175,19 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, embeds, hidden, cos, sin, cache, mask):
-        residual = hidden  # norm_after_residual: what vLLM's and SGLang's plain EAGLE-3 layer does
+    def forward(self, embeds, hidden, cos, sin, cache, mask, w=None):
+        # residual = hidden (norm_after_residual: what vLLM's and SGLang's plain EAGLE-3 layer does)
+        q, k, v = self.qkv(embeds, hidden, cos, sin, w)
+        return self.out(self.self_attn.attend(q, k, v, cache, mask), hidden, w)
+
+    # The pieces around the attention: the same shapes at every unroll step, so compiled once (`compile_layers`).
+    def qkv(self, embeds, hidden, cos, sin, w=None):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.self_attn.project(x, cos, sin, w)
+
+    def out(self, attn, residual, w=None):
+        h = residual + _linear(self.self_attn.o_proj, attn, w, 3)
+        return h + self.mlp(self.post_attention_layernorm(h), w)
 
 
 class DecoderLayer(nn.Module):
@@ -176,9 +200,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, hidden, cos, sin, cache, mask):
-        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, hidden, cos, sin, cache, mask, w=None):
+        q, k, v = self.qkv(hidden, cos, sin, w)
+        return self.out(self.self_attn.attend(q, k, v, cache, mask), hidden, w)
+
+    def qkv(self, hidden, cos, sin, w=None):
+        return self.self_attn.project(self.input_layernorm(hidden), cos, sin, w)
+
+    def out(self, attn, residual, w=None):
+        h = residual + _linear(self.self_attn.o_proj, attn, w, 3)
+        return h + self.mlp(self.post_attention_layernorm(h), w)
 
 
 class Eagle3Drafter(nn.Module):
@@ -202,19 +233,42 @@ class Eagle3Drafter(nn.Module):
         """fc over the 3 aux hidden states: the draft's hidden state for step 0."""
         return self.fc(aux * self.aux_scale.to(aux.dtype))
 
-    def step(self, input_ids, hidden, positions, cache: list, mask):
+    def step(self, input_ids, hidden, positions, cache: list, mask, weights=None):
         """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden). Pass the
-        same `cache` (an empty list at the first step) to every step of one unroll."""
+        same `cache` (an empty list at the first step) to every step of one unroll. `weights`: from
+        `cast_weights`, for every step of the unroll (or None: the modules' own)."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         if not cache:  # `cache` starts empty: one key/value list per layer, filled step by step
             cache.extend([] for _ in range(1 + len(self.layers)))
-        h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask)
+        w = weights[0] if weights is not None else [None] * (1 + len(self.layers))
+        h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask, w[0])
         for i, layer in enumerate(self.layers.values(), 1):
-            h = layer(h, cos, sin, cache[i], mask)
+            h = layer(h, cos, sin, cache[i], mask, w[i])
         return h
 
-    def logits(self, hidden):
-        return self.lm_head(self.norm(hidden))
+    def logits(self, hidden, lm_weight=None):
+        """lm_weight: lm_head's weight cast once (`cast_weights`), or None."""
+        return _linear(self.lm_head, self.norm(hidden), None if lm_weight is None else (lm_weight,), 0)
+
+    def cast_weights(self, dtype) -> tuple:
+        """The projection weights in the compute dtype, cast once for a whole unroll (GPU path, bf16
+        autocast): as eager autocast caches its casts, so that each compiled piece neither casts them again
+        at every step nor adds a float32 gradient per step (the steps' gradients meet in `dtype`, then one
+        cast back). ([per layer: (q, k, v, o, gate, up, down)], lm_head)."""
+        layers = []
+        for layer in (self.midlayer, *self.layers.values()):
+            a, m = layer.self_attn, layer.mlp
+            layers.append(tuple(x.weight.to(dtype) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                                                m.up_proj, m.down_proj)))
+        return layers, self.lm_head.weight.to(dtype)
+
+    def compile_layers(self) -> None:
+        """GPU path: compile each layer's pieces around its attention (norms, projections, rotary, MLP), whose
+        shapes are the same at every unroll step, so each compiles once; the attention between them is
+        `chain_attention`'s compiled flex kernel. Fuses the float32 norms and casts eager mode keeps in memory."""
+        for layer in (self.midlayer, *self.layers.values()):
+            layer.qkv = torch.compile(layer.qkv, dynamic=False)
+            layer.out = torch.compile(layer.out, dynamic=False)
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -224,6 +278,11 @@ class Eagle3Drafter(nn.Module):
         state = {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "aux_scale"))}
         state["fc.weight"] = state["fc.weight"] * self.aux_scale[None, :].to(state["fc.weight"].dtype)
         return state
+
+
+def _linear(mod: nn.Linear, x, w, i: int):
+    """mod(x), or with w[i] (a cast copy of mod.weight) in its place."""
+    return mod(x) if w is None else F.linear(x, w[i])
 
 
 def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
@@ -252,12 +311,13 @@ def init_extra_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor]) -> N
             p.copy_(weights[name].float())
 
 
-def init_from_target_layer(model: "Eagle3Drafter", layer: dict[str, torch.Tensor]) -> None:
+def init_from_target_layer(model: Eagle3Drafter, layer: dict[str, torch.Tensor]) -> None:
     """Start the draft decoder layer from one of the target's: its attention reads both halves of its 2H
     input (token embedding, hidden) with the target layer's projections, its MLP and norms are the target's,
     and fc passes the top aux layer through. A language prior the few training samples cannot give."""
     m, f = model.midlayer, lambda k: layer[k].float()
-    want = {"self_attn.q_proj.weight": m.self_attn.q_proj.weight.shape[:1], "self_attn.k_proj.weight": m.self_attn.k_proj.weight.shape[:1],
+    want = {"self_attn.q_proj.weight": m.self_attn.q_proj.weight.shape[:1],
+            "self_attn.k_proj.weight": m.self_attn.k_proj.weight.shape[:1],
             "self_attn.v_proj.weight": m.self_attn.v_proj.weight.shape[:1], "mlp.gate_proj.weight": m.mlp.gate_proj.weight.shape}
     for name, shape in want.items():  # a dense Llama-like layer of the draft's shapes (not MoE, not MLA)
         if name not in layer or layer[name].shape[:len(shape)] != shape:

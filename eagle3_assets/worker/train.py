@@ -12,12 +12,16 @@ a function of (seed, epoch), so a resumed run ends with the same weights as an u
 resumes only the run it belongs to: its fingerprint covers the content of every input (each shard's file and
 index hashes and aux layers, the vocab, the target's weights, a finetune's start), the hyperparameters and
 the training code; any difference is logged and the run starts afresh, its old checkpoints deleted.
+
+On a GPU (`gpu_path`): flex chain attention and compiled layer pieces, batches made ahead by a thread
+(prefetch.py) in fixed shapes, no host sync per step, checkpoints written by a thread (checkpoint_writer.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -28,13 +32,16 @@ from pathlib import Path
 import torch
 
 from . import charts
+from .chain_attention import ChainMasks
+from .checkpoint_writer import CheckpointWriter
 from .compute_dtype import cpu as cpu_info
 from .drafter import DraftConfig, Eagle3Drafter, doc_causal_mask, init_weights
 from .errors import StageError
-from .files import check_plain_name, hash_files, resolve, sha256_file, write_json
+from .files import check_plain_name, hash_files, resolve, sha256_file
+from .prefetch import Prefetcher
 from .target import load_config, text_config, weight_files
 from .target_head import load_target_head
-from .train_data import ShardSet, collate, plan_batches
+from .train_data import ShardSet, batch_tokens, collate, plan_batches
 
 TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
               "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale", "noise_std",
@@ -45,6 +52,8 @@ DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_st
                 weight_decay=0.0, init_layer=-1, loss="soft", layer_lr=1.0, num_layers=1,
                 time_budget_s=None)
 CALIBRATION_STEPS = 6  # steps timed before a time budget plans the run (the first, warming up, not counted)
+PACK_WINDOW = 8  # GPU path: open rows a sample may go into (first fit), for fuller fixed-shape rows
+FINITE_CHECK_EVERY = 50  # GPU path: steps between reads of the non-finite-loss flag (each read is a host sync)
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -129,24 +138,38 @@ def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, 
     hidden = model.combine(aux)
     cache: list = []
     total, losses, accs, accept = 0.0, [], [], []
-    one_doc = doc.shape[0] == 1 and bool((doc == 0).all())
-    mask0 = None if one_doc else doc_causal_mask(doc)  # None: the fused causal kernel
+    fast = gpu_path(str(ids.device))
+    weights = None
+    if fast:  # flex attention over block masks; no host sync anywhere below
+        mask0 = ChainMasks(doc, steps)
+        idx = torch.arange(ids.shape[1], device=ids.device)
+        if torch.is_autocast_enabled(ids.device.type):
+            weights = model.cast_weights(torch.get_autocast_dtype(ids.device.type))
+    else:
+        one_doc = doc.shape[0] == 1 and bool((doc == 0).all())
+        mask0 = None if one_doc else doc_causal_mask(doc)  # None: the fused causal kernel
     start = chain = None
     for i in range(steps):
         n = i + 1
         same = (shift(doc, n, -2) == doc) & (doc >= 0)
         counted = same & shift(lmask, n, False)
         valid = counted & (shift(t_draft, n, -1) >= 0)
-        hidden = model.step(shift(ids, n), hidden, pos + i, cache, mask0)
-        logits = model.logits(hidden).float()
+        hidden = model.step(shift(ids, n), hidden, pos + i, cache, mask0, weights)
         denom = counted.sum().clamp(min=1)
-        logp = torch.log_softmax(logits, dim=-1)
-        if hard:
-            label = shift(t_draft, n, -1).clamp(min=0)
-            loss_i = -logp.gather(-1, label[..., None]).squeeze(-1)[valid].sum() / denom
+        if fast:
+            label = shift(t_draft, n, -1).clamp(min=0) if hard else None
+            loss_i, pred = _step_loss_fn()(model, hidden, target_p, (idx + n).clamp(max=ids.shape[1] - 1), valid,
+                                           denom, label, None if weights is None else weights[1])
         else:
-            loss_i = -(shift(target_p, n) * logp).sum(-1)[valid].sum() / denom
-        correct = (logits.argmax(-1) == shift(t_draft, n, -1)) & valid
+            logits = model.logits(hidden).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            if hard:
+                label = shift(t_draft, n, -1).clamp(min=0)
+                loss_i = -logp.gather(-1, label[..., None]).squeeze(-1)[valid].sum() / denom
+            else:
+                loss_i = -(shift(target_p, n) * logp).sum(-1)[valid].sum() / denom
+            pred = logits.argmax(-1)
+        correct = (pred == shift(t_draft, n, -1)) & valid
         acc_i = correct.sum().float() / denom
         if i == 0:
             start, chain = counted, correct
@@ -156,7 +179,43 @@ def ttt_loss(model: Eagle3Drafter, head, batch: dict, steps: int, decay: float, 
         losses.append(loss_i.detach())
         accs.append(acc_i.detach())
         accept.append(chain.sum().float() / start.sum().clamp(min=1))
-    return total, losses, accs, int(counted.sum()) if steps else 0, accept
+    return total, losses, accs, counted.sum() if steps else 0, accept
+
+
+# The GPU path: flex chain attention (chain_attention.py), compiled layer pieces and step loss, batches
+# prefetched, fixed shapes, no host sync per step. EAGLE3_TRAIN_EAGER=1 runs the CPU path's dense, eager
+# code on the GPU too (the reference); EAGLE3_TRAIN_COMPILE=0 keeps flex but compiles nothing else.
+def gpu_path(device: str) -> bool:
+    return device.startswith("cuda") and os.environ.get("EAGLE3_TRAIN_EAGER") != "1"
+
+
+def _compile_on() -> bool:
+    return os.environ.get("EAGLE3_TRAIN_COMPILE") != "0"
+
+
+def _step_loss(model, hidden, target_p, idx, valid, denom, label, lm_weight=None):
+    """One unroll step's loss and greedy draft tokens on the GPU path: the target's distribution read at
+    positions idx = t + n (no shifted copy of it per step), masked with `where` (boolean indexing would wait
+    for the host). `label`: hard targets, or None for the soft loss."""
+    logits = model.logits(hidden, lm_weight).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    if label is None:
+        per = -(target_p.index_select(1, idx) * logp).sum(-1)
+    else:
+        per = -logp.gather(-1, label[..., None]).squeeze(-1)
+    return torch.where(valid, per, 0.0).sum() / denom, logits.argmax(-1)
+
+
+_compiled_step_loss = None
+
+
+def _step_loss_fn():
+    global _compiled_step_loss
+    if not _compile_on():
+        return _step_loss
+    if _compiled_step_loss is None:
+        _compiled_step_loss = torch.compile(_step_loss, dynamic=False)
+    return _compiled_step_loss
 
 
 def _lr_lambda(total_steps: int, warmup: int):
@@ -217,23 +276,31 @@ def autocast(device: str, bf16: bool | None = None):
 
 
 def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device, bf16=None,
-             labels=None, loss_on: str = "responses") -> tuple[list, list, list]:
+             labels=None, loss_on: str = "responses", rows_per_batch: int = 1) -> tuple[list, list, list]:
     """Mean per-step loss, accuracy and chain acceptance over `plan`, without updating."""
-    sums = [torch.zeros(steps) for _ in range(3)]
+    sums = torch.zeros(3, steps, device=device)
     with torch.no_grad(), autocast(device, bf16):
         for rows in plan:
-            batch = batch_on(data, rows, row_tokens, device, labels, loss_on)
+            batch = batch_on(data, rows, row_tokens, device, labels, loss_on, rows_per_batch)
             _, losses, accs, _, accept = ttt_loss(model, head, batch, steps, decay, dtype)
-            for acc_sum, xs in zip(sums, (losses, accs, accept)):
-                acc_sum += torch.stack(xs).float().cpu()
+            sums += torch.stack([torch.stack(xs).float() for xs in (losses, accs, accept)])
     n = max(len(plan), 1)
-    return tuple((x / n).tolist() for x in sums)
+    return tuple((x / n).tolist() for x in sums.cpu())
 
 
-def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str = "responses") -> dict:
-    batch = collate(data, rows, row_tokens, labels)
+def host_batch(data, rows, row_tokens: int, labels=None, loss_on: str = "responses", rows_per_batch: int = 1,
+               pad: bool = False, pin: bool = False) -> dict:
+    batch = collate(data, rows, row_tokens, labels, rows_per_batch, pad=pad, pin=pin)
     if loss_on == "all":  # the target's predictions on prompt tokens are training signal too
-        batch["loss_mask"] = batch["doc"] >= 0
+        batch["loss_mask"].copy_(batch["doc"] >= 0)
+    return batch
+
+
+def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str = "responses",
+             rows_per_batch: int = 1) -> dict:
+    """A batch on `device`; on the GPU path padded to its fixed shape (`train_data.batch_shape`)."""
+    fast = gpu_path(device)
+    batch = host_batch(data, rows, row_tokens, labels, loss_on, rows_per_batch, pad=fast, pin=fast)
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -266,11 +333,11 @@ def check_args(args: dict, hp: dict) -> None:
 
 
 # The modules whose code decides the trained weights: a change to any of them invalidates a checkpoint.
-_TRAINING_CODE = ("train", "train_data", "drafter", "target_head", "distributed", "checkpoint")
+_TRAINING_CODE = ("train", "train_data", "drafter", "chain_attention", "target_head", "distributed", "checkpoint")
 
 
 def fingerprint(hp: dict, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
-                init_dir: Path | None) -> dict:
+                init_dir: Path | None, pack_window: int = 1) -> dict:
     """What a checkpoint's run was made of, by content, one entry per input (so a mismatch can be named).
     Cheap: shard contents by the hashes their manifests record (verified against the files by ShardSet),
     the target's and a finetune start's weights by `hash_files` (cached beside each file), the vocab file
@@ -279,7 +346,8 @@ def fingerprint(hp: dict, bf16: bool, target: Path, data: ShardSet, shard_names:
     code = hashlib.sha256(torch.__version__.encode())
     for m in _TRAINING_CODE:
         code.update((here / f"{m}.py").read_bytes())
-    fp = {"hyperparameters": {**{k: hp[k] for k in TRAIN_KEYS}, "bf16_compute": bool(bf16)},
+    fp = {"hyperparameters": {**{k: hp[k] for k in TRAIN_KEYS}, "bf16_compute": bool(bf16),
+                              **({"pack_window": pack_window} if pack_window != 1 else {})},
           "training code": code.hexdigest()[:32],
           "target weights": hash_files(weight_files(target))[:32],
           "vocab": sha256_file(vocab)[:32] if vocab is not None else None,
@@ -334,26 +402,14 @@ def _resumable(ckpts: Path, fp: dict, device: str, reporter):
     return state
 
 
-def _save_checkpoint(ckpt_dir: Path, model, opt, sched, state: dict) -> None:
-    tmp = ckpt_dir.with_name(f".tmp-{ckpt_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({"model": {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")},
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "rng": torch.get_rng_state(), **state}, tmp / "training_state.pt")
-    from .files import replace_dir
-
-    replace_dir(tmp, ckpt_dir)
-    write_json(ckpt_dir.parent / "latest.json",
-               {"checkpoint": ckpt_dir.name, **{k: state[k] for k in ("step", "epoch", "fingerprint")}})
-    for old in ckpt_dir.parent.glob("step-*"):  # only the latest is needed to resume
-        if old.name != ckpt_dir.name:
-            shutil.rmtree(old, ignore_errors=True)
+def _sync(device: str) -> None:
+    """Wait for the GPU's queued work: only where a wall-clock reading must include it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def run(workdir: str, args: dict, reporter) -> None:
     from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids, save_drafter_dir
-
     from .distributed import Group, launch
 
     # None means "the default", except where None is itself a setting (init_layer: None = random init)
@@ -461,6 +517,11 @@ def run(workdir: str, args: dict, reporter) -> None:
     noise = (float(hp["noise_std"]) / scale).to(device) if hp["noise_std"] else None
     model.to(device)
     head.to(device=device, dtype=dtype)
+    fast = gpu_path(device)
+    if fast and bf16:  # the frozen embeddings are only ever read as bf16 there: half the memory, same values
+        model.embed_tokens.to(torch.bfloat16)
+    if fast and _compile_on():
+        model.compile_layers()
     for p in model.embed_tokens.parameters():
         p.requires_grad_(False)
     model.lm_head.weight.requires_grad_(bool(hp["train_lm_head"]))
@@ -468,17 +529,20 @@ def run(workdir: str, args: dict, reporter) -> None:
     head.restrict(d2t_ids)
     with reporter.progress("target labels", len(data.refs), unit="samples") as prog, autocast(device, bf16):
         labels = target_labels(data, head, to_draft, device, dtype, progress=prog)
+    row_tokens, rows_per = int(hp["row_tokens"]), int(hp["rows_per_batch"])
+    # Where rows are padded to a fixed shape (the GPU path) a fuller row is cheaper; on the CPU a batch is
+    # only as long as its longest row, and next-fit keeps the plans the CPU recipes were tuned on.
+    window = PACK_WINDOW if fast else 1
     held = None
     if args.get("eval_shards"):  # held-out hidden states: acceptance on data the drafter never saw, per epoch
         held_data = ShardSet([resolve(workdir, s) for s in args["eval_shards"]], tc.hidden_size, cfg.aux_layer_ids)
         with autocast(device, bf16):
             held_labels = target_labels(held_data, head, to_draft, device, dtype)
-        held = (held_data, held_labels,
-                plan_batches([r.length for r in held_data.refs], 0, 0, int(hp["row_tokens"]), int(hp["rows_per_batch"])))
+        held = (held_data, held_labels, plan_batches([r.length for r in held_data.refs], 0, 0, row_tokens, rows_per,
+                                                     window))
 
     lengths = [r.length for r in data.refs]
-    plans = [plan_batches(lengths, e, int(hp["seed"]), int(hp["row_tokens"]), int(hp["rows_per_batch"]))
-             for e in range(int(hp["epochs"]))]
+    plans = [plan_batches(lengths, e, int(hp["seed"]), row_tokens, rows_per, window) for e in range(int(hp["epochs"]))]
     # One optimizer step takes `world` consecutive batches of the plan, one per rank: the same data order
     # for any GPU count.
     steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
@@ -490,11 +554,12 @@ def run(workdir: str, args: dict, reporter) -> None:
     layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
     groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": float(hp["lr"])},
               {"params": [p for p in params if id(p) in layer_ids], "lr": float(hp["lr"]) * float(hp["layer_lr"])}]
-    opt = torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]))
+    opt = torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]),
+                            **({"fused": True} if fast else {}))  # one kernel per step on the GPU
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
 
     # A checkpoint only resumes the run it belongs to: the same inputs by content, settings and code.
-    fp = fingerprint(hp, bf16, target, data, [str(s) for s in args["shards"]], vocab_path, init_dir)
+    fp = fingerprint(hp, bf16, target, data, [str(s) for s in args["shards"]], vocab_path, init_dir, window)
     ckpts = out / "checkpoints"
     step = 0
     state = _resumable(ckpts, fp, device, reporter) if args.get("resume", True) else None
@@ -518,88 +583,128 @@ def run(workdir: str, args: dict, reporter) -> None:
     probe = plans[0][group.rank: int(args.get("probe_batches", 8)): group.world] if plans else []
     def measure(on, rows_plan, lab, loss_on="responses"):
         # held-out figures always count replies only: that is where an engine drafts
-        return evaluate(model, head, on, rows_plan, int(hp["row_tokens"]), steps_k, decay, dtype, device, bf16, lab,
-                        loss_on)
+        return evaluate(model, head, on, rows_plan, row_tokens, steps_k, decay, dtype, device, bf16, lab, loss_on,
+                        rows_per)
 
     before = measure(data, probe, labels, str(hp["loss_on"]))
     heldout_curve = {"epoch": [], "acceptance_length": []}
     save_every = int(hp["save_every_steps"])
-    sum_loss = torch.zeros(steps_k)
-    sum_acc = torch.zeros(steps_k)
+    sum_loss = torch.zeros(steps_k, device=device)  # figures stay on the device until the end: no sync per step
+    sum_acc = torch.zeros(steps_k, device=device)
     n_batches, tokens, t0 = 0, 0, time.monotonic()
     epoch_tokens = data.tokens
-    curve, curve_every = {"step": [], "loss_0": [], "acc_0": []}, max(1, total_steps // 200)
+    curve, curve_every, curve_at = {"step": [], "loss_0": [], "acc_0": []}, max(1, total_steps // 200), []
     budget = float(hp["time_budget_s"]) if hp["time_budget_s"] else None
     planned = state.get("planned_steps") if state else None
     t_first = None
-    with reporter.progress("train", total_steps * 1, unit="steps") as prog:
-        prog.update(step)
-        done = 0
-        for epoch, plan in enumerate(steps_of):
-            for b, group_rows in enumerate(plan):
-                if done < step:
+    # this rank's batches from the resume point on, in step order: made ahead of the loop on the GPU
+    items, k = [], 0
+    for epoch, plan in enumerate(steps_of):
+        for b, group_rows in enumerate(plan):
+            if k >= step and group.rank < len(group_rows):
+                items.append(((epoch, b), group_rows[group.rank]))
+            k += 1
+    batches = Prefetcher(items, lambda rows: host_batch(data, rows, row_tokens, labels, str(hp["loss_on"]), rows_per,
+                                                        pad=fast, pin=fast), device)
+    writer = CheckpointWriter()
+    bad_at = torch.zeros((), dtype=torch.long, device=device)  # GPU path: the first non-finite step (0: none)
+
+    def not_finite(at: int) -> StageError:
+        ends = list(itertools.accumulate(len(p) for p in steps_of))
+        return StageError(
+            f"the training loss is not finite (NaN or inf) at step {at} of {total_steps} (epoch "
+            f"{1 + sum(e < at for e in ends)}); nothing was written as the drafter. Lower lr (now {hp['lr']}) or "
+            f"max_grad_norm, or set precision fp32; checkpoints up to step {at - 1} are kept"
+            + (f" in {ckpts}" if ckpts.exists() else ""))
+
+    def check_finite() -> None:
+        """GPU path: the flags of the steps since the last check, read at once (a host sync): before any
+        checkpoint and every FINITE_CHECK_EVERY steps. Every rank checks at the same steps."""
+        at = int(bad_at)
+        first = -group.max(-float(at) if at else -math.inf)
+        if first != math.inf:
+            raise not_finite(int(first))
+
+    try:
+        with reporter.progress("train", total_steps * 1, unit="steps") as prog:
+            prog.update(step)
+            done = 0
+            for epoch, plan in enumerate(steps_of):
+                for b, group_rows in enumerate(plan):
+                    if done < step:
+                        done += 1
+                        continue
+                    finite = None
+                    if group.rank < len(group_rows):  # the last step of an epoch may leave a rank without a batch
+                        key, batch = next(batches)
+                        assert key == (epoch, b), (key, epoch, b)
+                        with autocast(device, bf16):
+                            loss, losses, accs, _, _ = ttt_loss(model, head, batch, steps_k, decay, dtype, noise,
+                                                                hp["loss"] == "hard")
+                        loss.backward()
+                        finite = torch.isfinite(loss.detach())
+                    if not fast:  # every rank stops together, before the step is applied
+                        if group.sum(0.0 if finite is None or bool(finite) else 1.0):
+                            raise not_finite(step + 1)
+                    elif finite is not None:  # no sync: recorded, read by check_finite
+                        bad_at = torch.where((bad_at == 0) & ~finite, torch.full_like(bad_at, step + 1), bad_at)
+                    group.all_reduce_grads(params)
+                    torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad(set_to_none=True)
+                    step += 1
                     done += 1
-                    continue
-                ntok = 0
-                if group.rank < len(group_rows):  # the last step of an epoch may leave a rank without a batch
-                    rows = group_rows[group.rank]
-                    batch = batch_on(data, rows, int(hp["row_tokens"]), device, labels, str(hp["loss_on"]))
-                    with autocast(device, bf16):
-                        loss, losses, accs, _, _ = ttt_loss(model, head, batch, steps_k, decay, dtype, noise,
-                                                            hp["loss"] == "hard")
-                    loss.backward()
-                    ntok = int((batch["doc"] >= 0).sum())
-                    finite = bool(torch.isfinite(loss.detach()))  # one more sync; the token count syncs anyway
-                else:
-                    finite = True
-                if group.sum(0.0 if finite else 1.0):  # every rank stops together, before the step is applied
-                    raise StageError(
-                        f"the training loss is not finite (NaN or inf) at step {step + 1} of {total_steps} (epoch "
-                        f"{epoch + 1}); nothing was written as the drafter. Lower lr (now {hp['lr']}) or "
-                        f"max_grad_norm, or set precision fp32; checkpoints up to step {step} are kept"
-                        + (f" in {ckpts}" if ckpts.exists() else ""))
-                group.all_reduce_grads(params)
-                torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                step += 1
-                done += 1
-                if budget and planned is None:
-                    if step - resumed_from == 1:
-                        t_first = time.monotonic()  # the first step warms up; time the next ones
-                    elif step - resumed_from == CALIBRATION_STEPS + 1:
-                        planned = _plan_budget(time.monotonic(), t0, t_first, budget, step, total_steps, group)
-                        if planned < total_steps:
-                            total_steps = _replan(steps_of, sched, planned, float(hp["warmup_ratio"]))
-                            prog.set_total(total_steps)
-                        reporter.log(f"time budget {budget:g} s: {planned:,} of {requested_steps:,} steps "
-                                     f"({planned / max(steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) fit; "
-                                     "the learning-rate schedule is planned for those",
-                                     "warning" if planned < steps_per_epoch else "info")
-                ntok = int(group.sum(ntok))
-                tokens += ntok
-                if group.is_main and ntok and group.rank < len(group_rows) and step % curve_every == 0:
-                    curve["step"].append(step)  # one sync per sampled step, for the training curve
-                    curve["loss_0"].append(round(float(losses[0]), 5))
-                    curve["acc_0"].append(round(float(accs[0]), 5))
-                if epoch == len(steps_of) - 1 and ntok and group.rank < len(group_rows):
-                    sum_loss += torch.stack(losses).float().cpu()  # the last epoch's figures describe the
-                    sum_acc += torch.stack(accs).float().cpu()     # final weights (rank 0's share of them)
-                    n_batches += 1
-                prog.update(1, tokens=ntok)
-                end_of_epoch = b == len(plan) - 1
-                if end_of_epoch and held is not None and group.is_main:
-                    accept = measure(held[0], held[2], held[1])[2]
-                    heldout_curve["epoch"].append(epoch + 1)
-                    heldout_curve["acceptance_length"].append(round(1 + sum(accept[:3]), 4))
-                    reporter.log(f"epoch {epoch + 1}: held-out acceptance length (k=3) {1 + sum(accept[:3]):.3f}")
-                if end_of_epoch or (save_every and step % save_every == 0):
-                    if group.is_main:
-                        _save_checkpoint(ckpts / f"step-{step:07d}", model, opt, sched,
-                                         {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp,
-                                          "planned_steps": planned})
-                    group.barrier()
+                    if budget and planned is None:
+                        if step - resumed_from == 1:
+                            _sync(device)
+                            t_first = time.monotonic()  # the first step warms up; time the next ones
+                        elif step - resumed_from == CALIBRATION_STEPS + 1:
+                            _sync(device)
+                            planned = _plan_budget(time.monotonic(), t0, t_first, budget, step, total_steps, group)
+                            if planned < total_steps:
+                                total_steps = _replan(steps_of, sched, planned, float(hp["warmup_ratio"]))
+                                prog.set_total(total_steps)
+                            reporter.log(f"time budget {budget:g} s: {planned:,} of {requested_steps:,} steps "
+                                         f"({planned / max(steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) "
+                                         "fit; the learning-rate schedule is planned for those",
+                                         "warning" if planned < steps_per_epoch else "info")
+                    # every rank's real tokens, from the plan: no collective, no sync
+                    ntok = sum(batch_tokens(lengths, r, row_tokens, rows_per) for r in group_rows)
+                    tokens += ntok
+                    if group.is_main and ntok and group.rank < len(group_rows) and step % curve_every == 0:
+                        curve["step"].append(step)  # the values are read at the end
+                        curve_at.append(torch.stack([losses[0], accs[0]]))
+                    if epoch == len(steps_of) - 1 and ntok and group.rank < len(group_rows):
+                        sum_loss += torch.stack(losses).float()  # the last epoch's figures describe the
+                        sum_acc += torch.stack(accs).float()     # final weights (rank 0's share of them)
+                        n_batches += 1
+                    prog.update(1, tokens=ntok)
+                    end_of_epoch = b == len(plan) - 1
+                    save = end_of_epoch or (save_every and step % save_every == 0)
+                    if fast and (save or step % FINITE_CHECK_EVERY == 0 or step == total_steps):
+                        check_finite()
+                    if end_of_epoch and held is not None and group.is_main:
+                        accept = measure(held[0], held[2], held[1])[2]
+                        heldout_curve["epoch"].append(epoch + 1)
+                        heldout_curve["acceptance_length"].append(round(1 + sum(accept[:3]), 4))
+                        reporter.log(f"epoch {epoch + 1}: held-out acceptance length (k=3) {1 + sum(accept[:3]):.3f}")
+                    if save:
+                        if group.is_main:
+                            writer.save(ckpts / f"step-{step:07d}", model, opt, sched,
+                                        {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp,
+                                         "planned_steps": planned})
+                        group.barrier()
+        _sync(device)
+    finally:
+        batches.close()
+        if batches.summary() and group.is_main:
+            reporter.log(batches.summary())
+        writer.wait()  # the last checkpoint is complete before anything is published (or the error is raised)
+    for loss_0, acc_0 in torch.stack(curve_at).tolist() if curve_at else []:
+        curve["loss_0"].append(round(loss_0, 5))
+        curve["acc_0"].append(round(acc_0, 5))
+    sum_loss, sum_acc = sum_loss.cpu(), sum_acc.cpu()
     wall = time.monotonic() - t0
     after = measure(data, probe, labels, str(hp["loss_on"]))
     final_held = measure(held[0], held[2], held[1]) if held is not None and group.is_main else None

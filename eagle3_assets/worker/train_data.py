@@ -147,46 +147,110 @@ class ShardSet:
         return sum(r.length for r in self.refs)
 
 
-def plan_batches(n_refs: list[int], epoch: int, seed: int, row_tokens: int, rows_per_batch: int) -> list[list[list[int]]]:
-    """Batches of rows of sample indices. n_refs[i] = length of sample i. Deterministic in (seed, epoch)."""
+class _Rows:
+    """Rows of at most `cap` tokens, each sample into the first of the `window` open rows it fits; a sample
+    that fits none opens a row and closes the oldest. Window 1 is next-fit: a row closes when the next sample
+    does not fit (the plans' order before windows)."""
+
+    def __init__(self, cap: int, window: int):
+        self.cap, self.window, self.open = cap, max(1, window), []  # [[sample ids], tokens]
+
+    def add(self, i: int, ln: int) -> list[list[int]]:
+        """Place sample i of ln tokens; returns the rows this closes."""
+        for row in self.open:
+            if row[1] + ln <= self.cap:
+                row[0].append(i)
+                row[1] += ln
+                return []
+        self.open.append([[i], ln])
+        closed = []
+        while len(self.open) > self.window:
+            closed.append(self.open.pop(0)[0])
+        return closed
+
+    def rest(self) -> list[list[int]]:
+        rows, self.open = [r[0] for r in self.open], []
+        return rows
+
+
+def plan_batches(n_refs: list[int], epoch: int, seed: int, row_tokens: int, rows_per_batch: int,
+                 window: int = 1) -> list[list[list[int]]]:
+    """Batches of rows of sample indices. n_refs[i] = length of sample i. Deterministic in (seed, epoch).
+
+    Whole conversations: with rows_per_batch > 1, a sample longer than row_tokens is not cut at the row but
+    goes whole into a wide row of rows_per_batch x row_tokens tokens (a batch of that one row: the same tokens
+    per step), shared with other long samples; only beyond that width is it truncated (as every sample longer
+    than row_tokens is with rows_per_batch 1). `window`: open rows a sample may go into (first fit), 1 =
+    next-fit; more packs fuller rows, which pays where rows are padded to a fixed shape (the GPU path)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(n_refs), generator=g).tolist()
-    batches, rows, row, used = [], [], [], 0
+    wide_cap = row_tokens * rows_per_batch
+    rows, wide = _Rows(row_tokens, window), _Rows(wide_cap, window)
+    batches: list[list[list[int]]] = []
+    pending: list[list[int]] = []
+
+    def emit(closed):
+        nonlocal pending
+        for row in closed:
+            pending.append(row)
+            if len(pending) == rows_per_batch:
+                batches.append(pending)
+                pending = []
+
     for i in order:
-        ln = min(n_refs[i], row_tokens)
-        if row and used + ln > row_tokens:
-            rows.append(row)
-            row, used = [], 0
-            if len(rows) == rows_per_batch:
-                batches.append(rows)
-                rows = []
-        row.append(i)
-        used += ln
-    if row:
-        rows.append(row)
-    if rows:
-        batches.append(rows)
+        if rows_per_batch > 1 and n_refs[i] > row_tokens:
+            batches.extend([row] for row in wide.add(i, min(n_refs[i], wide_cap)))
+        else:
+            emit(rows.add(i, min(n_refs[i], row_tokens)))
+    emit(rows.rest())
+    if pending:
+        batches.append(pending)
+    batches.extend([row] for row in wide.rest())
     return batches
 
 
-def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list | None = None) -> dict[str, torch.Tensor]:
+def batch_shape(row_lengths: list[list[int]], row_tokens: int, rows_per_batch: int) -> tuple[int, int]:
+    """(rows, tokens per row) of a batch padded to its fixed shape: [rows_per_batch, row_tokens], or
+    [1, rows_per_batch x row_tokens] for a wide row of long samples (see plan_batches)."""
+    if rows_per_batch > 1 and len(row_lengths) == 1 and max(row_lengths[0]) > row_tokens:
+        return 1, row_tokens * rows_per_batch
+    return rows_per_batch, row_tokens
+
+
+def batch_tokens(lengths: list[int], rows: list[list[int]], row_tokens: int, rows_per_batch: int) -> int:
+    """The real (non-padding) tokens of a batch as `collate` packs it, from the plan alone."""
+    cap = batch_shape([[lengths[i] for i in row] for row in rows], row_tokens, rows_per_batch)[1]
+    return sum(min(sum(min(lengths[i], cap) for i in row), cap) for row in rows)
+
+
+def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list | None = None,
+            rows_per_batch: int = 1, pad: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
     """Pack rows into [B, T] tensors; `doc` numbers the samples in a row (-1 = padding), `pos` restarts at 0
-    for each sample, as the engines' positions do. `labels` (per sample) add `t_draft`."""
-    row_ids = rows
+    for each sample, as the engines' positions do. `labels` (per sample) add `t_draft`. `pad`: the batch's
+    fixed shape (`batch_shape`, rows rounded up to a multiple of 128: the attention's tile), so that compiled
+    GPU code sees few shapes; else as short as its longest row. `pin`: page-locked, for an asynchronous copy
+    to the GPU."""
+    n_rows, cap = batch_shape([[data.refs[i].length for i in row] for row in rows], row_tokens, rows_per_batch)
     samples = [[data.read(data.refs[i]) for i in row] for row in rows]
-    T = min(row_tokens, max(sum(min(s["input_ids"].shape[0], row_tokens) for s in row) for row in samples))
-    B = len(rows)
+    T = -(-cap // 128) * 128 if pad else min(cap, max(sum(min(s["input_ids"].shape[0], cap) for s in row)
+                                                       for row in samples))
+    B = n_rows if pad else len(rows)
     first = samples[0][0]
     h3, h = first["aux"].shape[1], first["final"].shape[1]
-    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, h3, dtype=first["aux"].dtype), "final": torch.zeros(B, T, h, dtype=first["final"].dtype),
-           "doc": torch.full((B, T), -1, dtype=torch.long), "pos": torch.zeros(B, T, dtype=torch.long)}
+
+    def new(shape, dtype, fill=None):
+        t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        return t if fill is None else t.fill_(fill)
+
+    out = {"input_ids": new((B, T), torch.long, 0), "loss_mask": new((B, T), torch.bool, False),
+           "aux": new((B, T, h3), first["aux"].dtype), "final": new((B, T, h), first["final"].dtype),
+           "doc": new((B, T), torch.long, -1), "pos": new((B, T), torch.long, 0)}
     if labels is not None:
-        out["t_draft"] = torch.full((B, T), -1, dtype=torch.long)
-    for b, row in enumerate(samples):
+        out["t_draft"] = new((B, T), torch.long, -1)
+    for b in range(B):
         o = 0
-        for d, s in enumerate(row):
-            ln = min(s["input_ids"].shape[0], T - o)
+        for d, s in enumerate(samples[b] if b < len(samples) else []):
+            ln = min(s["input_ids"].shape[0], cap - o)
             if ln <= 0:
                 break
             out["input_ids"][b, o:o + ln] = s["input_ids"][:ln]
@@ -196,6 +260,8 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
             out["doc"][b, o:o + ln] = d
             out["pos"][b, o:o + ln] = torch.arange(ln)
             if labels is not None:
-                out["t_draft"][b, o:o + ln] = labels[row_ids[b][d]][:ln]
+                out["t_draft"][b, o:o + ln] = labels[rows[b][d]][:ln]
             o += ln
+        out["aux"][b, o:] = 0  # padding: finite (a NaN there would reach the weight gradients as 0 * NaN)
+        out["final"][b, o:] = 0
     return out
