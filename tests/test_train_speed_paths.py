@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from eagle3_assets.worker import chain_attention as ca
-from eagle3_assets.worker import train
+from eagle3_assets.worker import train, ttt_loss
 from eagle3_assets.worker.checkpoint_writer import CheckpointWriter
 from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, chain_attention, doc_causal_mask, init_weights
 from eagle3_assets.worker.target_head import TargetHead
@@ -137,7 +137,7 @@ def test_the_gpu_path_loss_equals_the_cpu_path_loss_and_gradients(monkeypatch, h
     model, head, batch = _tiny()
     ref = train.ttt_loss(model, head, batch, 4, 0.8, torch.float32, hard=hard)
     ref_grads = torch.autograd.grad(ref[0], [p for p in model.parameters() if p.requires_grad])
-    monkeypatch.setattr(train, "gpu_path", lambda device: True)
+    monkeypatch.setattr(ttt_loss, "gpu_path", lambda device: True)
     monkeypatch.setattr(ca, "_attend", dense_attend)
     new = train.ttt_loss(model, head, batch, 4, 0.8, torch.float32, hard=hard)
     new_grads = torch.autograd.grad(new[0], [p for p in model.parameters() if p.requires_grad])
@@ -158,7 +158,7 @@ def test_under_autocast_the_gpu_path_casts_the_weights_once_and_still_equals_the
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = train.ttt_loss(model, head, batch, 3, 0.8, torch.float32)
     ref_grads = torch.autograd.grad(ref[0], params)
-    monkeypatch.setattr(train, "gpu_path", lambda device: True)
+    monkeypatch.setattr(ttt_loss, "gpu_path", lambda device: True)
     monkeypatch.setattr(ca, "_attend", dense_attend)
     casts = []
     real_cast = model.cast_weights
