@@ -194,13 +194,13 @@ def test_run_name_with_a_path_is_refused_by_the_config(built):
                             raise_on_error=False)
     assert not res.success
     msg = failure_text(res)
-    assert "run_name" in msg and "should match pattern" in msg.lower()
+    assert "run_name" in msg and "is not a plain name" in msg
     assert not outside.exists()
 
 
 @pytest.mark.parametrize("args,expect", [
     ({"out": "drafter/../../x"}, "contains '..'"),
-    ({"out": "drafter/x", "run_name": "../../x"}, "run_name '../../x' is not a plain name"),
+    ({"out": "drafter/x", "run_name": "../../x"}, "run_name: '../../x' is not a plain name"),
 ])
 def test_worker_refuses_an_output_outside_its_directory(built, tmp_path, args, expect):
     work = tmp_path / "a" / "b" / "work"
@@ -295,8 +295,9 @@ def test_non_positive_counts_are_refused_by_the_config(graph, asset, field, valu
 def test_worker_refuses_settings_out_of_range_before_any_work(built, tmp_path):
     done = _worker(tmp_path, "train", _train_args(built, "drafter/zero", epochs=0, ttt_steps=-1, warmup_ratio=1.0))
     assert done.returncode == 2
-    assert ("epochs must be at least 1, got 0; ttt_steps must be at least 1, got -1; warmup_ratio must be in "
-            "[0, 1), got 1.0") in done.stderr
+    for named in ("epochs: Input should be greater than 0, got 0", "ttt_steps: Input should be greater than 0, got -1",
+                  "warmup_ratio: Input should be less than 1, got 1.0"):
+        assert named in done.stderr, done.stderr
     assert not _written(tmp_path)
 
 

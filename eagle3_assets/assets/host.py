@@ -1,9 +1,12 @@
 
+from typing import Literal
+
 import dagster as dg
 from pydantic import Field
 
 from ..code_versions import code_version
 from ..hosts import GpuHost
+from ..stages.extract import ExtractSettings
 from ..worker.shard_format import bytes_per_token
 
 
@@ -11,13 +14,16 @@ class HostPreflightConfig(dg.Config):
     gpus: bool | None = Field(default=None, description="require GPUs (nvidia-smi must list one); empty: the "
                                                            "host's require_gpus")
     hidden_states_dtype: str = Field(default="bfloat16", description="dtype the shards will be extracted in")
+    hidden_states_storage: Literal["native", "fp8"] = Field(
+        default=ExtractSettings.model_fields["storage"].default, description="how they will be stored (the "
+        "hidden_state_shards storage setting)")
     engines: list[str] = Field(default=[], description="engine checks against the current target, each "
                                "'<engine>:<purpose>': vllm:extract (hidden_state_shards backend vllm), "
                                "vllm:serve, sglang:serve; asked of the installed engine's own code")
     engine_python: str | None = Field(default=None, description="the host Python the engines are installed in")
 
 
-def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int | None:
+def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str, storage: str) -> int | None:
     """Bytes the current conversations' hidden states take on disk, if conversations and target are known."""
     found = {}
     for name in ("conversations", "target_model"):
@@ -25,7 +31,8 @@ def hidden_states_estimate(context: dg.AssetExecutionContext, dtype: str) -> int
         if ev is None or ev.asset_materialization is None:
             return None
         found[name] = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
-    return int(found["conversations"]["total_tokens"]) * bytes_per_token(int(found["target_model"]["hidden_size"]), dtype)
+    return int(found["conversations"]["total_tokens"]) * bytes_per_token(int(found["target_model"]["hidden_size"]), dtype,
+                                                                        storage)
 
 
 def check_engines(context: dg.AssetExecutionContext, gpu_host: GpuHost, config: HostPreflightConfig) -> dict:
@@ -57,7 +64,7 @@ def host_preflight(context: dg.AssetExecutionContext, config: HostPreflightConfi
     """Is the GPU host ready? It answers; its Python has the worker's dependencies and the control plane's
     worker code; nvidia-smi lists GPUs; its free disk covers the hidden states the current conversations
     will need. Cheap: materialize it before a long job, or after changing the host."""
-    need = hidden_states_estimate(context, config.hidden_states_dtype)
+    need = hidden_states_estimate(context, config.hidden_states_dtype, config.hidden_states_storage)
     need_gpus = gpu_host.require_gpus if config.gpus is None else config.gpus
     info = gpu_host.check(context, gpus=need_gpus, need_bytes=need)
     gpus = info.get("gpus") or []

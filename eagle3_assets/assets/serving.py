@@ -1,11 +1,11 @@
 import time
-from typing import Annotated
 
 import dagster as dg
 from pydantic import Field
 
 from ..code_versions import code_version
 from ..hosts import GpuHost
+from ..stages.serve_bench import ServeBenchSettings
 from ..worker import charts
 from .prompts import PROMPT_SETS
 from .upstream import upstream_metadata
@@ -28,22 +28,12 @@ INSPECT = [
 ]
 
 
-class ServingBenchmarkConfig(dg.Config):
+class ServingBenchmarkConfig(dg.Config, ServeBenchSettings):
+    """The serve_bench stage's settings (eagle3_assets/stages/serve_bench.py), on the prompts of one eval set,
+    and how far below the offline reference the engine may fall."""
+
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval; the offline "
                                                        "reference must use the same for the consistency check")
-    limit: int | None = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
-    max_new_tokens: int = Field(default=64, gt=0, description="per request, as offline_acceptance's")
-    num_speculative_tokens: int = Field(default=3, gt=0)
-    concurrencies: list[Annotated[int, Field(gt=0)]] = Field(default=[1, 8], min_length=1,
-                                                             description="requests in flight, one measurement each")
-    dtype: str = Field(default="auto", description="auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32")
-    max_model_len: int = Field(default=4096, gt=0)
-    engine_python: str | None = Field(default=None, description="the host Python with the engine installed "
-                                                                    "(default: the worker's)")
-    extra_args: list[str] = Field(default=[], description="more server arguments, passed through as given")
-    env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
-    ready_timeout_s: float = Field(default=1200.0, gt=0, description="fail if the server is not healthy by then")
-    baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
     min_ratio_to_offline: float = Field(default=0.7, ge=0, description="engine acceptance length below this fraction "
                                                                  "of offline_acceptance's fails the check")
 
@@ -75,16 +65,11 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
                                      f"materialize drafter_export with {engine} among its dialects")
     checkpoint = _exported_checkpoint(context)
     run = gpu_host.run_stage(context, "serve_bench", {
-        "engine": engine, "engine_python": config.engine_python,
-        "target": upstream_metadata(context, "target_model")["path"], "drafter": export[f"{engine}_path"],
-        "trained_drafter": export["source"], "prompts": PROMPT_SETS[config.eval_set], "prompt_set": config.eval_set,
-        "limit": config.limit, "max_new_tokens": config.max_new_tokens,
-        "num_speculative_tokens": config.num_speculative_tokens, "concurrencies": config.concurrencies,
-        "dtype": config.dtype, "max_model_len": config.max_model_len, "extra_args": config.extra_args,
-        "env": config.env, "ready_timeout_s": config.ready_timeout_s, "baseline": config.baseline,
-        "checkpoint": checkpoint, "history": HISTORY,
-        "out_dir": f"benchmarks/{engine}/{checkpoint[:12]}-{time.strftime('%Y%m%d-%H%M%S')}",
-    })
+        "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
+        "drafter": export[f"{engine}_path"], "trained_drafter": export["source"],
+        "prompts": PROMPT_SETS[config.eval_set], "prompt_set": config.eval_set, "checkpoint": checkpoint,
+        "history": HISTORY, "out_dir": f"benchmarks/{engine}/{checkpoint[:12]}-{time.strftime('%Y%m%d-%H%M%S')}",
+        **config.model_dump(exclude={"eval_set", "min_ratio_to_offline"})})
     meta = run.result["metadata"]
     result = run.materialize_result(history=HISTORY, acceptance_chart=dg.MetadataValue.md(acceptance_chart(context, meta)))
     return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version,
@@ -100,7 +85,7 @@ def acceptance_chart(context, meta: dict) -> str:
         rows += [(f"position {i}  {meta['engine']}", p), (f"position {i}  offline", offline.get(f"acceptance_at_pos_{i}"))]
     al = [(f"length  {meta['engine']}", meta.get("acceptance_length")), ("length  offline", offline.get("acceptance_length"))]
     return ("Acceptance per draft position (engine vs offline reference):\n\n" + charts.bars(rows) if rows else "") + \
-        "\n\nAcceptance length:\n\n" + charts.bars(al, vmax=float(meta.get("num_speculative_tokens", 3)) + 1)
+        "\n\nAcceptance length:\n\n" + charts.bars(al, vmax=float(meta["num_speculative_tokens"]) + 1)
 
 
 def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.AssetCheckResult:

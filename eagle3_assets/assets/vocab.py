@@ -1,16 +1,14 @@
 import dagster as dg
-from pydantic import Field
 
 from ..code_versions import code_version
 from ..hosts import GpuHost
+from ..stages.vocab import OUT, VocabSettings
 from .conversations import OUT as CONVERSATIONS
 from .upstream import upstream_metadata
 
-OUT = "vocab/vocab_mapping.safetensors"
 
-
-class VocabConfig(dg.Config):
-    draft_vocab_size: int = Field(default=32000, gt=0, description="capped at the target's vocab size")
+class VocabConfig(dg.Config, VocabSettings):
+    """The vocab stage's settings (eagle3_assets/stages/vocab.py)."""
 
 
 @dg.asset(group_name="data", kinds={"safetensors"}, deps=["conversations", "target_model"],
@@ -20,5 +18,5 @@ def vocab_mapping(context: dg.AssetExecutionContext, config: VocabConfig, gpu_ho
     from the frequencies of assistant tokens in the regenerated conversations."""
     target = upstream_metadata(context, "target_model")["path"]
     run = gpu_host.run_stage(context, "vocab", {"target": target, "conversations": CONVERSATIONS, "out": OUT,
-                                                "draft_vocab_size": config.draft_vocab_size})
+                                                **config.model_dump()})
     return run.materialize_result()

@@ -15,6 +15,7 @@ import threading
 import traceback
 from contextlib import nullcontext
 
+from ..stages import ArgsError, describe, validate
 from . import output_lock
 from .errors import StageError
 from .parent import die_with_parent
@@ -23,20 +24,39 @@ from .stages import STAGES
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m eagle3_assets.worker")
+    ap = argparse.ArgumentParser(prog="python -m eagle3_assets.worker",
+                                 epilog="`python -m eagle3_assets.worker STAGE --help` lists the stage's arguments")
     ap.add_argument("stage", choices=sorted(STAGES))
+    if len(argv) >= 2 and argv[0] in STAGES and ("--help" in argv[1:] or "-h" in argv[1:]):
+        print(describe(argv[0]))
+        sys.exit(0)
     ap.add_argument("--workdir", required=True, help="host work directory; stage paths are relative to it")
     ap.add_argument("--args", default="{}", help="stage arguments as JSON")
     ap.add_argument("--args-file", help="read the stage arguments from this JSON file instead")
     return ap.parse_args(argv)
 
 
+def _read_args(ns: argparse.Namespace) -> dict:
+    """The stage's arguments, checked against its contract before anything is imported or written."""
+    where = ns.args_file or "--args"
+    try:
+        if ns.args_file:
+            with open(ns.args_file) as f:
+                raw = json.load(f)
+        else:
+            raw = json.loads(ns.args)
+    except (OSError, ValueError) as e:
+        raise ArgsError(f"cannot read the {ns.stage} arguments from {where}: {e}") from None
+    return validate(ns.stage, raw)
+
+
 def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
-    if ns.args_file:
-        with open(ns.args_file) as f:
-            args = json.load(f)
-    else:
-        args = json.loads(ns.args)
+    try:
+        args = _read_args(ns)
+    except ArgsError as e:
+        reporter.error(str(e))
+        return 2
+    reporter.stage = ns.stage  # what it reports is checked against the stage's contract too
     os.makedirs(ns.workdir, exist_ok=True)
     try:
         # a data-parallel rank runs under its launcher, which holds the output's lock

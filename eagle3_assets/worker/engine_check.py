@@ -15,13 +15,13 @@ PURPOSES = {"serve": "serve EAGLE-3", "extract": "extract hidden states"}
 def run(workdir: str, args: dict, reporter) -> None:
     from .serve_bench import ENGINES, check_support
 
-    engine = ENGINES.get(args.get("engine", ""))
-    purpose = args.get("purpose", "serve")
+    engine = ENGINES.get(args["engine"])
+    purpose = args["purpose"]
     if engine is None or purpose not in PURPOSES:
         raise StageError(f"engine must be one of {sorted(ENGINES)} and purpose one of {sorted(PURPOSES)}; got "
                          f"{args.get('engine')!r}, {purpose!r}")
     probe = engine.SUPPORT_PROBE if purpose == "serve" else engine.EXTRACT_PROBE
-    info = check_support(engine, args.get("engine_python") or sys.executable, resolve(workdir, args["target"]),
+    info = check_support(engine, args["engine_python"] or sys.executable, resolve(workdir, args["target"]),
                          probe=probe, purpose=PURPOSES[purpose])
     reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "
                  f"({info.get('model_class', '?')})")

@@ -36,13 +36,13 @@ def engine_run(engine, target: Path, aux_layers: list[int], num_layers: int, arg
     that lets its processes import our code, wherever the worker code was uploaded."""
     from .serve_bench import check_support
 
-    python = args.get("engine_python") or sys.executable
+    python = args["engine_python"] or sys.executable
     info = check_support(engine, python, target, probe=engine.EXTRACT_PROBE, purpose="extract hidden states")
     ids, cols, final = engine.capture_layers(aux_layers, num_layers)
-    env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+    env = {str(k): str(v) for k, v in (args["env"] or {}).items()}
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    return EngineRun(python, info, ids, cols, final, int(args.get("tensor_parallel_size", 1)),
-                     int(args.get("data_parallel_size", 1)), env)
+    return EngineRun(python, info, ids, cols, final, int(args["tensor_parallel_size"]),
+                     int(args["data_parallel_size"]), env)
 
 
 def parts_file(dp_rank: int) -> str:

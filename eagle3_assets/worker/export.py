@@ -103,7 +103,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     src = resolve(workdir, args["drafter"])
     out = resolve(workdir, args["out"])
     tc = text_config(load_config(resolve(workdir, args["target"])))
-    dialects = args.get("dialects") or list(DIALECTS)
+    dialects = args["dialects"] or list(DIALECTS)
     unknown = [x for x in dialects if x not in DIALECTS]
     if unknown:
         raise StageError(f"unknown export dialects {unknown}; choose from {list(DIALECTS)}")

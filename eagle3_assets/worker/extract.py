@@ -163,25 +163,25 @@ BACKENDS = ("hf", "vllm", "sglang")
 def run(workdir: str, args: dict, reporter) -> None:
     from .target import load_config, load_model, pick_device, text_config
 
-    backend = args.get("backend", "hf")
+    backend = args["backend"]
     if backend not in BACKENDS:
         raise StageError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     shard = int(args["shard"])
     conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
                                  "materialize the conversations asset first")
-    out_root = resolve(workdir, args.get("out_dir", "hidden_states"))
+    out_root = resolve(workdir, args["out_dir"])
     target = resolve(workdir, args["target"])
     cfg = text_config(load_config(target))
     num_layers = int(cfg.num_hidden_layers)
-    aux_layers = list(args.get("aux_layers") or default_aux_layers(num_layers))
+    aux_layers = list(args["aux_layers"] or default_aux_layers(num_layers))
     check_aux_layers(aux_layers, num_layers)
     from .compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args.get("dtype"), host_device(args.get("device", "auto")))
+    dtype_info = choice(args["dtype"], host_device(args["device"]))
     dtype = dtype_info["dtype"]
-    storage = check_storage(args.get("storage") or "native")
+    storage = check_storage(args["storage"])
     samples, truncated = load_samples(conversations, shard, int(args["samples_per_shard"]),
-                                      int(args.get("max_length", 2048)))
+                                      int(args["max_length"]))
     name = shard_name(shard)
     out_root.mkdir(parents=True, exist_ok=True)
     total = sum(len(s.input_ids) for s in samples)
@@ -192,7 +192,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                          f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
                          f"workdir to a bigger disk")
     if backend == "hf":
-        device = pick_device(args.get("device", "auto"))
+        device = pick_device(args["device"])
         check_fits(target, dtype, device)  # before a GB is loaded
     reporter.log(line(dtype_info))
     for stale in out_root.glob(f".tmp-{name}-*"):  # left by a run that died: never complete, safe to drop
@@ -207,9 +207,9 @@ def run(workdir: str, args: dict, reporter) -> None:
             t0 = time.monotonic()
             with reporter.progress(f"extract {name}", total, unit="tokens") as prog:
                 writer = extract_samples(model, samples, tmp, aux_layers,
-                                         batch_tokens=int(args.get("batch_tokens", 16384)),
-                                         part_bytes=int(args.get("part_bytes", 1 << 30)),
-                                         io_threads=int(args.get("io_threads", 4)), progress=prog,
+                                         batch_tokens=int(args["batch_tokens"]),
+                                         part_bytes=int(args["part_bytes"]),
+                                         io_threads=int(args["io_threads"]), progress=prog,
                                          storage=storage)
             files, index = writer.files, writer.index
             engine = {"engine": "transformers", "engine_version": _version("transformers"),

@@ -26,10 +26,10 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     spec = {"target": str(target), "out_dir": str(tmp.resolve()), "nonce": nonce, "capture_ids": ids,
             "aux_columns": run.aux_columns, "final_column": run.final_column, "tensor_parallel_size": tp,
             "data_parallel_size": dp,
-            "dtype": args.get("dtype", "bfloat16"), "batch_tokens": int(args.get("batch_tokens", 16384)),
-            "part_bytes": int(args.get("part_bytes", 1 << 30)), "io_threads": int(args.get("io_threads", 4)),
-            "storage": args.get("storage", "native"),
-            "seed": int(args.get("seed", 0)), "trust_remote_code": "--trust-remote-code" in (args.get("extra_args") or []),
+            "dtype": args["dtype"], "batch_tokens": int(args["batch_tokens"]),
+            "part_bytes": int(args["part_bytes"]), "io_threads": int(args["io_threads"]),
+            "storage": args["storage"],
+            "seed": int(args["seed"]), "trust_remote_code": "--trust-remote-code" in (args["extra_args"] or []),
             "samples": [{"row": s.row, "id": s.id, "input_ids": s.input_ids, "loss_spans": loss_spans(s.loss_mask)}
                         for s in samples]}
     spec_path = tmp / "sglang-spec.json"

@@ -55,11 +55,11 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     port = free_port()
     argv = vllm.extract_command(
         python, str(target), port, layer_ids=ids, root=str(tmp.parent.resolve()), aux_columns=run.aux_columns,
-        final_column=run.final_column, part_bytes=int(args.get("part_bytes", 1 << 30)),
-        io_threads=int(args.get("io_threads", 4)), dtype=args.get("dtype", "bfloat16"),
-        storage=args.get("storage", "native"),
-        max_model_len=int(args.get("max_model_len") or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
-        seed=int(args.get("seed", 0)), extra=list(args.get("extra_args") or []))
+        final_column=run.final_column, part_bytes=int(args["part_bytes"]),
+        io_threads=int(args["io_threads"]), dtype=args["dtype"],
+        storage=args["storage"],
+        max_model_len=int(args["max_model_len"] or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
+        seed=int(args["seed"]), extra=list(args["extra_args"] or []))
     if is_wrapper(target) and info.get("language_model_only") and "--language-model-only" not in argv:
         argv.append("--language-model-only")  # a multimodal wrapper (Kimi-K2.5): text in, no vision tower loaded
     env = {**run.env}  # the engine imports our connector by module path (PYTHONPATH)
@@ -69,7 +69,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     log = tmp.parent / ".logs" / f"vllm-{tmp.name.removeprefix('.tmp-')}.log"
     t_start = time.monotonic()
     with EngineServer("vllm (extraction)", argv, port, log, env=env, health=vllm.HEALTH) as server:
-        ready = server.wait_ready(float(args.get("ready_timeout_s", 1800)), reporter)
+        ready = server.wait_ready(float(args["ready_timeout_s"]), reporter)
         reporter.log(f"vllm ready for extraction after {ready:.0f} s")
         t0 = time.monotonic()
 
@@ -84,7 +84,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
 
         total = sum(len(s.input_ids) for s in samples)
         with reporter.progress(what, total, unit="tokens") as progress, \
-                ThreadPoolExecutor(max_workers=int(args.get("concurrency", 32))) as pool:
+                ThreadPoolExecutor(max_workers=int(args["concurrency"])) as pool:
             for f in [pool.submit(one, s) for s in samples]:
                 f.result()
         nonce = uuid.uuid4().hex
@@ -93,7 +93,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
             _post(port, {"model": "target", "prompt": samples[0].input_ids[:8], "max_tokens": 1,
                          "kv_transfer_params": {"eagle3": {"dir": tmp.name, "flush": nonce}}},
                   headers={"X-data-parallel-rank": str(rank)} if dp > 1 else None)
-        files, index, problems = collect(tmp, dp, nonce, server.died, float(args.get("flush_timeout_s", 600)),
+        files, index, problems = collect(tmp, dp, nonce, server.died, float(args["flush_timeout_s"]),
                                          "vllm")
         wall = time.monotonic() - t0
     validate_dump(samples, index, stored_ids(tmp), problems)

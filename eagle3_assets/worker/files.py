@@ -13,11 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..stages.base import PLAIN_NAME  # a name that becomes one directory under the host work directory
 from .errors import StageError
-
-# A name that becomes one directory under the host work directory: letters, digits, '-', '_', and dots only
-# between them (no '.', '..', hidden names or separators). Also the pattern of the Dagster configs' names.
-PLAIN_NAME = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
 
 
 def check_plain_name(name, what: str) -> str:

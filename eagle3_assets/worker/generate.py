@@ -78,7 +78,7 @@ def hf_backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> 
     import torch
 
     torch.manual_seed(s.seed)
-    model = load_model(target, args["dtype"], args.get("device", "auto"))
+    model = load_model(target, args["dtype"], args["device"])
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
@@ -121,19 +121,19 @@ def server_backend(engine_name: str):
         from .serve_bench import ENGINES, check_support
 
         engine = ENGINES[engine_name]
-        python = args.get("engine_python") or sys.executable
+        python = args["engine_python"] or sys.executable
         check_support(engine, python, target)
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
                                      dtype=args["dtype"], max_model_len=s.max_prompt_tokens + s.max_new,
-                                     seed=s.seed, extra=list(args.get("extra_args") or []))
-        env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+                                     seed=s.seed, extra=list(args["extra_args"] or []))
+        env = {str(k): str(v) for k, v in (args["env"] or {}).items()}
         if engine_name == "vllm":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         log = resolve(workdir, args["out"]).parent / f"server-{engine_name}.log"
         with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
                           health=engine.HEALTH) as server:
             reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
-            ready = server.wait_ready(float(args.get("ready_timeout_s", 1200)), reporter)
+            ready = server.wait_ready(float(args["ready_timeout_s"]), reporter)
             reporter.log(f"{engine_name} ready after {ready:.0f} s")
 
             def complete(prompts: list[list[dict]], prog) -> list[Reply]:
@@ -162,22 +162,22 @@ def run(workdir: str, args: dict, reporter) -> None:
                            "materialize the prompts asset first")
     out = resolve(workdir, args["out"])
     rows = pq.read_table(prompts).to_pylist()
-    if args.get("limit"):
+    if args["limit"]:
         rows = rows[: int(args["limit"])]
     if not rows:
         raise StageError(f"{prompts} holds no conversations: add prompt sources to the prompts asset")
-    backend = args.get("backend", "hf")
+    backend = args["backend"]
     if backend not in BACKENDS:
         raise StageError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    s = Sampling(max_new=int(args.get("max_new_tokens", 256)), temperature=float(args.get("temperature", 0.0)),
-                 top_p=float(args.get("top_p", 1.0)), seed=int(args.get("seed", 0)),
-                 batch_size=int(args.get("batch_size", 16)), max_prompt_tokens=int(args.get("max_prompt_tokens", 2048)))
+    s = Sampling(max_new=int(args["max_new_tokens"]), temperature=float(args["temperature"]),
+                 top_p=float(args["top_p"]), seed=int(args["seed"]),
+                 batch_size=int(args["batch_size"]), max_prompt_tokens=int(args["max_prompt_tokens"]))
     max_new, temperature, top_p, max_prompt_tokens = s.max_new, s.temperature, s.top_p, s.max_prompt_tokens
     target = resolve(workdir, args["target"])
     tok = load_tokenizer(target)
     from .compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args.get("dtype"), host_device(args.get("device", "auto")))
+    dtype_info = choice(args["dtype"], host_device(args["device"]))
     args = {**args, "dtype": dtype_info["dtype"]}
     reporter.log(line(dtype_info))
 
@@ -228,7 +228,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "loss_tokens": sum(r["num_loss_tokens"] for r in records),
         **dtype_info,
         "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new,
-                     "seed": int(args.get("seed", 0)), "max_prompt_tokens": max_prompt_tokens},
+                     "seed": int(args["seed"]), "max_prompt_tokens": max_prompt_tokens},
     }
     reporter.materialize(metadata=meta, data_version=version)
     reporter.result({"path": str(out), "conversations": len(records), "data_version": version})

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 # What `python -m eagle3_assets.worker` imports on the host (the control plane's own deps are not needed).
-WORKER_DEPS = ["dagster-pipes", "torch", "transformers", "safetensors", "accelerate", "pyarrow", "numpy", "tqdm"]
+WORKER_DEPS = ["dagster-pipes", "pydantic", "torch", "transformers", "safetensors", "accelerate", "pyarrow", "numpy", "tqdm"]
 
 
 def worker_files(package_dir: str) -> list[str]:

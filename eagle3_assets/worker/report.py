@@ -16,6 +16,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..stages import check_reported
+from .tracker import Tracker
+
 
 def _fmt_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
@@ -26,6 +29,8 @@ class Reporter:
     def __init__(self, pipes=None):
         self._pipes = pipes
         self.result_payload: dict | None = None
+        self.stage: str | None = None  # set: metadata and result are checked against the stage's contract
+        self.tracker: Tracker = Tracker()  # training curves for TensorBoard & co (tracker.py); none by default
         # under a data-parallel launch: rank 0 speaks JSON lines for the launcher to relay, others are quiet
         self._relay = os.environ.get("EAGLE3_REPORT_JSONL") == "1"
         self._quiet = self._relay and os.environ.get("RANK", "0") != "0"
@@ -54,7 +59,14 @@ class Reporter:
         finally:
             p.close()
 
+    def scalars(self, step: int, **values: float) -> None:
+        """Figures along a run (loss, accuracy, lr) for the experiment tracker; Dagster gets the metadata."""
+        if not self._quiet:
+            self.tracker.scalars(step, values)
+
     def materialize(self, metadata: dict[str, Any], data_version: str | None = None) -> None:
+        if self.stage:
+            check_reported(self.stage, "metadata", metadata)
         if self._emit(kind="materialize", metadata=metadata, data_version=data_version):
             return
         if self._pipes is not None:
@@ -64,6 +76,8 @@ class Reporter:
 
     def result(self, payload: dict) -> None:
         """The stage's small JSON answer to the control plane."""
+        if self.stage:
+            check_reported(self.stage, "result", payload)
         self.result_payload = payload
         if self._emit(kind="result", payload=payload):
             return

@@ -116,12 +116,12 @@ def run(workdir: str, args: dict, reporter) -> None:
     engine = ENGINES.get(args["engine"])
     if engine is None:
         raise StageError(f"engine must be one of {sorted(ENGINES)}, got {args['engine']!r}")
-    python = args.get("engine_python") or sys.executable
+    python = args["engine_python"] or sys.executable
     target = resolve(workdir, args["target"])
     drafter = resolve(workdir, args["drafter"])
     prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
-    k, max_new = int(args.get("num_speculative_tokens", 3)), int(args.get("max_new_tokens", 128))
-    concurrencies = [int(c) for c in args.get("concurrencies", [1, 8])]
+    k, max_new = int(args["num_speculative_tokens"]), int(args["max_new_tokens"])
+    concurrencies = [int(c) for c in args["concurrencies"]]
     out_dir = resolve(workdir, args["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     history = resolve(workdir, args["history"])
@@ -133,24 +133,24 @@ def run(workdir: str, args: dict, reporter) -> None:
     reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
                  f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
     tok = load_tokenizer(target)
-    rows = pq.read_table(prompts_path).to_pylist()[: int(args.get("limit") or 10**9)]
+    rows = pq.read_table(prompts_path).to_pylist()[: int(args["limit"] or 10**9)]
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     requests = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
-    env = {str(k_): str(v) for k_, v in (args.get("env") or {}).items()}
+    env = {str(k_): str(v) for k_, v in (args["env"] or {}).items()}
     if engine is vllm:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; only read by the CPU backend
     from .compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args.get("dtype"), host_device())
+    dtype_info = choice(args["dtype"], host_device())
     reporter.log(line(dtype_info))
-    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.get("max_model_len", 4096)),
-                  seed=int(args.get("seed", 0)), extra=list(args.get("extra_args") or []))
-    timeout = float(args.get("ready_timeout_s", 1200))
+    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args["max_model_len"]),
+                  seed=int(args["seed"]), extra=list(args["extra_args"] or []))
+    timeout = float(args["ready_timeout_s"])
 
     # SGLang's accept length is cumulative since start: one fresh server per measured concurrency.
     plans = [("eagle3", [c]) for c in concurrencies] if engine is sglang else [("eagle3", concurrencies)]
-    if args.get("baseline", True):
+    if args["baseline"]:
         plans.append(("baseline", concurrencies))
     results: dict[tuple[str, int], dict] = {}
     texts: dict[str, dict[str, str]] = {}
@@ -179,7 +179,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
     summary["metadata"].update(dtype_info)
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args["trained_drafter"])
-                                            if args.get("trained_drafter") else None, target))
+                                            if args["trained_drafter"] else None, target))
     append_history(history, summary["rows"], reporter, moved)
     meta = summary["metadata"]
     if moved:
@@ -198,15 +198,15 @@ def _write_requests(path: Path, responses: list) -> None:
 
 def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
     rows, meta = [], {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
-                      "checkpoint": args.get("checkpoint"), "prompt_set": args.get("prompt_set"),
-                      "max_new_tokens": int(args.get("max_new_tokens", 128)), "requests": None}
+                      "checkpoint": args["checkpoint"], "prompt_set": args["prompt_set"],
+                      "max_new_tokens": int(args["max_new_tokens"]), "requests": None}
     for c in concurrencies:
         spec, base = results.get(("eagle3", c), {}), results.get(("baseline", c))
         meta["requests"] = spec.get("requests")
         speedup = spec["output_tokens_per_s"] / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None
-        row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args.get("checkpoint"),
-               "prompt_set": args.get("prompt_set"), "num_speculative_tokens": k, "concurrency": c,
-               "max_new_tokens": int(args.get("max_new_tokens", 128)), "requests": spec.get("requests"),
+        row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args["checkpoint"],
+               "prompt_set": args["prompt_set"], "num_speculative_tokens": k, "concurrency": c,
+               "max_new_tokens": int(args["max_new_tokens"]), "requests": spec.get("requests"),
                "acceptance_length": spec.get("acceptance_length"), "acceptance_rate": spec.get("acceptance_rate"),
                "acceptance_per_pos": spec.get("acceptance_per_pos"),
                "output_tokens_per_s": spec.get("output_tokens_per_s"),

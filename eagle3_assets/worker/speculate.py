@@ -97,11 +97,11 @@ def run(workdir: str, args: dict, reporter) -> None:
     target_dir = resolve(workdir, args["target"])
     prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
     drafter_dir = resolve(workdir, args["drafter"])
-    device = args.get("device", "auto")
+    device = args["device"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = args.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
-    k = int(args.get("num_speculative_tokens", 3))
-    max_new = int(args.get("max_new_tokens", 64))
+    dtype = args["dtype"] or ("bfloat16" if device == "cuda" else "float32")
+    k = int(args["num_speculative_tokens"])
+    max_new = int(args["max_new_tokens"])
     if k < 1:
         raise StageError(f"num_speculative_tokens must be at least 1, got {k}")
 
@@ -115,7 +115,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     drafter.to(device=device, dtype=getattr(torch, dtype)).eval()
     spec = ChainSpeculator(target, drafter, k)
 
-    rows = pq.read_table(prompts_path).to_pylist()[: int(args.get("limit") or 10**9)]
+    rows = pq.read_table(prompts_path).to_pylist()[: int(args["limit"] or 10**9)]
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     eos = target.generation_config.eos_token_id

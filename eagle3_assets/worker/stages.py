@@ -1,9 +1,12 @@
 """The stage registry: name -> module with `run(workdir, args, reporter)`. Imported lazily so that
-`--help` and argument errors do not pay for importing torch."""
+`--help` and argument errors do not pay for importing torch; `run_stage` is the one way in, arguments
+checked against the stage's contract (eagle3_assets/stages) first."""
 
 from __future__ import annotations
 
 import importlib
+
+from ..stages import validate
 
 
 def _lazy(module: str):
@@ -24,3 +27,8 @@ STAGES = {
     "serve_bench": _lazy("serve_bench"),
     "engine_check": _lazy("engine_check"),
 }
+
+
+def run_stage(stage: str, workdir: str, raw_args: dict, reporter) -> None:
+    """Validate the arguments (ArgsError names each bad one), fill in the defaults, run the stage."""
+    STAGES[stage](workdir, validate(stage, raw_args), reporter)

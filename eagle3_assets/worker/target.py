@@ -264,10 +264,10 @@ def load_tokenizer(path: Path):
 
 def run(workdir: str, args: dict, reporter) -> None:
     """Stage `prepare_target`: args {path?: str, embedded_dir?: str}."""
-    if args.get("path"):
+    if args["path"]:
         path = resolve(workdir, args["path"])
     else:
-        path = convert_embedded(resolve(workdir, args.get("embedded_dir", EMBEDDED_DIR)), reporter)
+        path = convert_embedded(resolve(workdir, args["embedded_dir"] or EMBEDDED_DIR), reporter)
     cfg = load_config(path)
     info = describe(path, cfg)
     reporter.log(f"hashing the weights of {path}")

@@ -37,9 +37,9 @@ def run(workdir: str, args: dict, reporter) -> None:
 
     conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
                                  "materialize the conversations asset first")
-    out = resolve(workdir, args.get("out", "vocab/vocab_mapping.safetensors"))
+    out = resolve(workdir, args["out"])
     vocab = int(text_config(load_config(resolve(workdir, args["target"]))).vocab_size)
-    requested = int(args.get("draft_vocab_size", 32000))
+    requested = int(args["draft_vocab_size"])
     if requested <= 0:
         raise StageError(f"draft_vocab_size must be positive, got {requested}")
 

@@ -1,0 +1,57 @@
+"""What every stage contract shares: strict models, and one readable error for a bad argument.
+
+A stage's `Settings` are what a user chooses (the Dagster config of its asset inherits them, so the launchpad
+shows the same fields, bounds and descriptions); its `Args` add what the asset fills in (host paths, partition
+keys) and are what the worker validates before importing torch. A default lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# A name that becomes one directory under the host work directory: letters, digits, '-', '_', and dots only
+# between them (no '.', '..', hidden names or separators).
+PLAIN_NAME = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
+
+
+def plain_name(name: str) -> str:
+    if not re.fullmatch(PLAIN_NAME, name):
+        raise ValueError(f"{name!r} is not a plain name: use letters, digits, '-', '_' and single dots between them, "
+                         "no '..' and no '/' (it names one directory under the host work directory)")
+    return name
+DTYPE_HELP = "auto: bfloat16 on a GPU or a CPU with bf16 instructions, else float32"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Args(Settings):
+    """The worker's side: unknown keys are refused (a misspelt setting would otherwise be silently ignored)."""
+
+
+class Result(BaseModel):
+    """The metadata keys of a stage's materialization that the other half reads; more may be present."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ArgsError(ValueError):
+    """A stage's arguments do not fit its contract; the message names every bad field."""
+
+
+def explain(stage: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(arguments)"
+        if e["type"] == "missing":
+            lines.append(f"{where}: required, missing")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{where}: not a {stage} argument")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" if e["type"] == "value_error" else f"{where}: {msg}, got {e.get('input')!r}")
+    return f"bad {stage} arguments: " + "; ".join(lines) + \
+        f" (`python -m eagle3_assets.worker {stage} --help` lists them)"

@@ -1,0 +1,41 @@
+"""Stage `generate`: the target regenerates every assistant turn of the training prompts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import DTYPE_HELP, Args, Result, Settings
+
+
+class GenerateSettings(Settings):
+    backend: Literal["hf", "vllm", "sglang"] = Field(
+        default="hf", description="hf: batched generate in the worker; vllm / sglang: the target served on the host "
+                                  "(same launch as serving_benchmark), batch_size requests in flight")
+    engine_python: str | None = Field(default=None, description="server backends: the host Python with the engine")
+    extra_args: list[str] = Field(default=[], description="server backends: more server arguments")
+    env: dict[str, str] = Field(default={}, description="server backends: server environment")
+    ready_timeout_s: float = Field(default=1200, gt=0, description="server backends: how long the server may take "
+                                   "to load the target")
+    max_new_tokens: int = Field(default=256, gt=0, description="per assistant turn")
+    temperature: float = Field(default=0.0, ge=0, description="0 = greedy, matching greedy serving and offline "
+                               "acceptance")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = 0
+    batch_size: int = Field(default=32, gt=0, description="conversations generated together")
+    max_prompt_tokens: int = Field(default=2048, gt=0, description="a conversation whose history grows past this "
+                                   "ends there")
+    limit: int | None = Field(default=None, gt=0, description="regenerate only the first N training conversations")
+    dtype: str = Field(default="auto", description=DTYPE_HELP)
+
+
+class GenerateArgs(Args, GenerateSettings):
+    target: str = Field(description="the target model directory")
+    prompts: str = Field(description="training prompts (Parquet, the prompts asset's schema)")
+    out: str = Field(description="the regenerated conversations' Parquet file")
+    device: str = Field(default="auto", description="hf backend: auto, cpu, cuda, cuda:N")
+
+
+class GenerateResult(Result):
+    conversations: int

@@ -1,0 +1,51 @@
+"""Stage `serve_bench`: the exported drafter served by a real engine, against the same server without it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from .base import DTYPE_HELP, Args, Result, Settings
+from .speculate import EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS
+
+
+class ServeBenchSettings(Settings):
+    limit: int | None = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
+    max_new_tokens: int = Field(default=EVAL_NEW_TOKENS, gt=0, description="per request, as offline_acceptance's")
+    num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0)
+    concurrencies: list[Annotated[int, Field(gt=0)]] = Field(default=[1, 8], min_length=1,
+                                                             description="requests in flight, one measurement each")
+    dtype: str = Field(default="auto", description=DTYPE_HELP)
+    max_model_len: int = Field(default=4096, gt=0)
+    engine_python: str | None = Field(default=None, description="the host Python with the engine installed "
+                                                                    "(default: the worker's)")
+    extra_args: list[str] = Field(default=[], description="more server arguments, passed through as given")
+    env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
+    ready_timeout_s: float = Field(default=1200.0, gt=0, description="fail if the server is not healthy by then")
+    baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
+    seed: int = 0
+
+
+class ServeBenchArgs(Args, ServeBenchSettings):
+    engine: str = Field(description="the serving engine")
+    target: str = Field(description="the target model directory")
+    drafter: str = Field(description="the exported drafter, in the engine's dialect")
+    trained_drafter: str | None = Field(default=None, description="the canonical checkpoint it was exported from "
+                                        "(to compare the aux layers it was trained on with those served)")
+    prompts: str = Field(description="eval prompts (Parquet)")
+    prompt_set: str | None = Field(default=None, description="the eval set's name, for the history")
+    checkpoint: str | None = Field(default=None, description="the drafter's data version, for the history")
+    history: str = Field(description="the Parquet history a row per measurement is appended to")
+    out_dir: str = Field(description="this benchmark's reports")
+
+
+class ServeBenchResult(Result):
+    engine: str
+    acceptance_length: float | None = None
+    acceptance_per_pos: list[float] | None = None
+    num_speculative_tokens: int
+    speedup: float | None = None
+    checkpoint: str | None = None
+    served_aux_layers: list[int] | None = None
+    trained_aux_layers: list[int] | None = None

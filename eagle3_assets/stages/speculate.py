@@ -1,0 +1,28 @@
+"""Stage `speculate`: our own greedy chain speculative decoding, the offline acceptance reference."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Args, Result, Settings
+
+NUM_SPECULATIVE_TOKENS = 3  # draft tokens per step, offline and in the engines: the same k or no comparison
+EVAL_NEW_TOKENS = 64  # generated tokens per prompt, offline and in the engines
+
+
+class SpeculateSettings(Settings):
+    num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0)
+    max_new_tokens: int = Field(default=EVAL_NEW_TOKENS, gt=0)
+    limit: int | None = Field(default=16, gt=0, description="prompts evaluated (None: all)")
+    dtype: str | None = Field(default=None, description="default: float32 on CPU (exact), bfloat16 on GPU")
+
+
+class SpeculateArgs(Args, SpeculateSettings):
+    target: str = Field(description="the target model directory")
+    drafter: str = Field(description="the trained drafter's model directory")
+    prompts: str = Field(description="eval prompts (Parquet)")
+    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
+
+
+class SpeculateResult(Result):
+    acceptance_length: float
