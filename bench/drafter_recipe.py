@@ -214,9 +214,9 @@ def prepare(w: Path, backend: str, target: str | None = None) -> None:
                 old.unlink()
             for old in (w / "hidden_states").glob("train-*"):
                 shutil.rmtree(old)
-        from eagle3_assets.assets.prompts import _table
+        from eagle3_assets.assets.prompts import prompts_table
 
-        pq.write_table(_table(convs), w / "prompts" / f"{name}.parquet")
+        pq.write_table(prompts_table(convs), w / "prompts" / f"{name}.parquet")
         meta, res = stage(w, "generate", {"target": target, "prompts": f"prompts/{name}.parquet",
                                           "out": f"conversations/{name}.parquet", "backend": backend,
                                           "max_new_tokens": 256, "temperature": 0.0, "batch_size": 32})
@@ -304,42 +304,15 @@ def heldout(w: Path, name: str, split_name: str, first_tokens: int | None = None
     """Teacher-forced chain acceptance of a saved drafter on a split's hidden states, replies only: the
     figure `train` reports per epoch, recomputed from the saved weights. `first_tokens`: only each reply's
     first N tokens count (what a serving benchmark of N new tokens drafts on)."""
-    import torch
-
-    from eagle3_assets.worker.checkpoint import load_drafter_dir
-    from eagle3_assets.worker.drafter import Eagle3Drafter
     from eagle3_assets.worker.shard_format import default_aux_layers
-    from eagle3_assets.worker.target import load_config, text_config
-    from eagle3_assets.worker.target_head import load_target_head
-    from eagle3_assets.worker.train import autocast, bf16_compute, draft_index, evaluate, target_labels
-    from eagle3_assets.worker.train_data import ShardSet, plan_batches
+    from eagle3_assets.worker.train_eval import heldout_acceptance
 
     info = json.loads((w / "prepared.json").read_text())
-    tc = text_config(load_config(Path(info["target"])))
-    head = load_target_head(Path(info["target"]), tc.rms_norm_eps).float()
-    cfg, weights = load_drafter_dir(w / "drafters" / name / "model", tc)
-    model = Eagle3Drafter(cfg, head.embed.float())
-    model.load_state_dict(weights, strict=False)
-    d2t_ids, to_draft = draft_index(model)
-    head.restrict(d2t_ids)
-    default = default_aux_layers(tc.num_hidden_layers)
-    data = ShardSet([w / shards_for(w, split_name, None if cfg.aux_layer_ids == default else cfg.aux_layer_ids)],
-                    tc.hidden_size)
-    if first_tokens:
-        read = data.read
-
-        def truncated(ref):
-            s = read(ref)
-            m = s["loss_mask"].bool()
-            s["loss_mask"] = m & (m.long().cumsum(0) <= first_tokens)
-            return s
-        data.read = truncated
-    bf16 = bf16_compute("cpu")
-    with autocast("cpu", bf16):
-        labels = target_labels(data, head, to_draft, "cpu", torch.float32)
-    plan = plan_batches([r.length for r in data.refs], 0, 0, 512, 2)
-    accept = evaluate(model, head, data, plan, 512, 3, 0.8, torch.float32, "cpu", bf16, labels)[2]
-    return {"acceptance_length": round(1 + sum(accept), 4), "per_position": [round(a, 4) for a in accept]}
+    drafter = w / "drafters" / name / "model"
+    aux = json.loads((drafter / "config.json").read_text())["eagle3_assets"]["aux_layer_ids"]  # ours: output of i
+    layers = json.loads((Path(info["target"]) / "config.json").read_text())["num_hidden_layers"]
+    shards = w / shards_for(w, split_name, None if aux == default_aux_layers(layers) else aux)
+    return heldout_acceptance(Path(info["target"]), drafter, [shards], first_tokens=first_tokens)
 
 
 def serve(w: Path, name: str, limit: int | None, speculate: bool) -> dict:

@@ -98,7 +98,7 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     args = {"target": target, "shards": ["hidden_states/shard-00000"], "eval_shards": ["hidden_states/shard-00001"],
             "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128,
             "rows_per_batch": 2, "train_lm_head": False, "loss_on": "all", "out": "drafter/frozen", "resume": False,
-            "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1, "layer_lr": 0.0}
+            "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1, "layer_lr": 0.0, "tracker": "tensorboard"}
     cmd, env = _worker(trained.workdir, "train", args)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -124,6 +124,17 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     accept = [meta[f"heldout_accept_{i}"] for i in range(3)]
     assert 1 >= accept[0] >= accept[1] >= accept[2] >= 0
     assert meta["heldout_acceptance_length_k3"] == pytest.approx(1 + sum(accept), abs=1e-3)
+    # the same run's curves in TensorBoard: every step's loss, per epoch the held-out figure, at the end the final
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trained.workdir / "drafter/frozen/tensorboard")).Reload()
+    loss = events.Scalars("train/loss_0")
+    assert [e.step for e in loss] == list(range(1, meta["steps"] + 1))
+    assert {"train/acc_2", "train/lr"} <= set(events.Tags()["scalars"])
+    held = events.Scalars("heldout/acceptance_length_k3")
+    assert len(held) == 2 and held[-1].value == pytest.approx(meta["heldout_curve"]["acceptance_length"][-1], abs=1e-4)
+    assert events.Scalars("final/simulated_acceptance_length")[0].value == \
+        pytest.approx(meta["simulated_acceptance_length"], abs=1e-4)
 
 
 def test_the_training_scale_of_fc_inputs_is_folded_into_the_saved_fc():
@@ -154,8 +165,9 @@ def test_cached_target_labels_give_the_same_loss_as_the_full_head(trained):
     from eagle3_assets.worker.drafter import Eagle3Drafter
     from eagle3_assets.worker.target import load_config, text_config
     from eagle3_assets.worker.target_head import load_target_head
-    from eagle3_assets.worker.train import batch_on, draft_index, target_labels, ttt_loss
     from eagle3_assets.worker.train_data import ShardSet, plan_batches
+    from eagle3_assets.worker.train_eval import batch_on, target_labels
+    from eagle3_assets.worker.ttt_loss import draft_index, ttt_loss
 
     target = Path(trained.latest("target_model")["path"])
     tc = text_config(load_config(target))

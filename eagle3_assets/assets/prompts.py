@@ -38,7 +38,7 @@ class PromptsConfig(dg.Config):
     on_bad_record: Literal["fail", "skip"] = Field(default="fail", description="what a malformed record does")
 
 
-def _table(convs) -> pa.Table:
+def prompts_table(convs) -> pa.Table:
     return pa.Table.from_pylist(
         [{"id": c.id, "source": c.source, "messages": c.messages,
           "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs], schema=SCHEMA)
@@ -77,8 +77,8 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, gpu_host: 
     # a temporary name and is renamed into place (put_file). train.parquet, which conversations reads, goes
     # last: a failed upload leaves it as it was (the split is by hash, so an old train and a new eval of the
     # same eval_fraction never share a conversation).
-    tables = [(EVAL_HUMANEVAL, _table(extra_eval))] if extra_eval else []
-    tables += [(EVAL, _table(evals)), (TRAIN, _table(train))]
+    tables = [(EVAL_HUMANEVAL, prompts_table(extra_eval))] if extra_eval else []
+    tables += [(EVAL, prompts_table(evals)), (TRAIN, prompts_table(train))]
     with tempfile.TemporaryDirectory() as tmp:
         for rel, table in tables:
             pq.write_table(table, Path(tmp) / Path(rel).name)

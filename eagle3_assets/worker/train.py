@@ -15,76 +15,42 @@ the training code; any difference is logged and the run starts afresh, its old c
 
 On a GPU (`gpu_path`): flex chain attention and compiled layer pieces, batches made ahead by a thread
 (prefetch.py) in fixed shapes, no host sync per step, checkpoints written by a thread (checkpoint_writer.py).
+
+The stage is a `Trainer` in steps: `setup` (inputs checked, the model built and initialised, labels, the
+batch plan, the optimizer), `resume`, `fit` (epochs of `train_step`s, with `evaluate_heldout` and
+`checkpoint` at their ends), then `publish` (the final weights, only if every step was finite).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import json
 import math
 import os
 import shutil
 import time
-from pathlib import Path
 
 import torch
 
+from ..stages.train import HYPERPARAMETERS
 from . import charts
 from .checkpoint_writer import CheckpointWriter
 from .compute_dtype import cpu as cpu_info
 from .drafter import DraftConfig, Eagle3Drafter, init_weights
 from .errors import StageError
-from .files import check_plain_name, hash_files, resolve, sha256_file
+from .files import resolve
 from .prefetch import Prefetcher
-from .target import load_config, text_config, weight_files
+from .target import load_config, text_config
 from .target_head import load_target_head
-from .train_data import ShardSet, batch_tokens, collate, plan_batches
+from .tracker import open_tracker
+from .train_data import ShardSet, batch_tokens, plan_batches
+from .train_eval import autocast, bf16_compute, evaluate, host_batch, simulated_acceptance_length, target_labels
+from .train_resume import fingerprint, resumable_state
+from .train_schedule import CALIBRATION_STEPS, lr_lambda, plan_budget, replan
 from .ttt_loss import compile_on, draft_index, gpu_path, ttt_loss
 
-TRAIN_KEYS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch", "seed",
-              "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale", "noise_std",
-              "weight_decay", "init_layer", "loss", "layer_lr", "num_layers", "time_budget_s")
-DEFAULTS = dict(epochs=3, lr=1e-4, warmup_ratio=0.015, max_grad_norm=0.5, ttt_steps=7, row_tokens=2048,
-                rows_per_batch=4, seed=0, step_decay=0.8, save_every_steps=0, loss_on="all",
-                train_lm_head=True, init_head="target", precision="auto", aux_scale="none", noise_std=0.0,
-                weight_decay=0.0, init_layer=-1, loss="soft", layer_lr=1.0, num_layers=1,
-                time_budget_s=None)
-CALIBRATION_STEPS = 6  # steps timed before a time budget plans the run (the first, warming up, not counted)
 PACK_WINDOW = 8  # GPU path: open rows a sample may go into (first fit), for fuller fixed-shape rows
 FINITE_CHECK_EVERY = 50  # GPU path: steps between reads of the non-finite-loss flag (each read is a host sync)
-
-
-def target_labels(data: ShardSet, head, to_draft: torch.Tensor, device: str, dtype, chunk_tokens: int = 16384,
-                  progress=None) -> list[torch.Tensor]:
-    """Per sample, the target's greedy next token as a draft id (-1: not in the draft vocab). Computed once
-    through the full lm_head, so that every training step needs only the draft vocab's rows."""
-    out: list[torch.Tensor] = [None] * len(data.refs)  # type: ignore[list-item]
-    pending: list[tuple[int, torch.Tensor]] = []
-
-    def flush():
-        finals = torch.cat([f for _, f in pending]).to(device, dtype)
-        with torch.no_grad():
-            labels = to_draft[head(finals).argmax(-1)].to("cpu", torch.int32)
-        o = 0
-        for i, f in pending:
-            out[i] = labels[o: o + f.shape[0]]
-            o += f.shape[0]
-        if progress is not None:
-            progress.update(len(pending))
-        pending.clear()
-
-    size = 0
-    for i, ref in enumerate(data.refs):
-        pending.append((i, data.read(ref)["final"]))
-        size += ref.length
-        if size >= chunk_tokens:
-            flush()
-            size = 0
-    if pending:
-        flush()
-    return out
 
 
 def aux_rms_scale(data: ShardSet, hidden: int, samples: int = 64) -> torch.Tensor:
@@ -95,247 +61,77 @@ def aux_rms_scale(data: ShardSet, hidden: int, samples: int = 64) -> torch.Tenso
     return (1.0 / rms).repeat_interleave(hidden)
 
 
-def _lr_lambda(total_steps: int, warmup: int):
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return f
-
-
-def _plan_budget(now: float, t0: float, t_first: float, budget: float, step: int, total: int, group) -> int:
-    """How many steps fit the training time budget, from the calibration steps' pace (every rank agrees: the
-    slowest sets it). 3 % is kept back for the epoch-end checkpoints."""
-    per_step = group.max((now - t_first) / CALIBRATION_STEPS)
-    left = group.max(budget - (now - t0))
-    return max(step + 1, min(total, step + int(0.97 * left / per_step)))
-
-
-def _replan(steps_of: list[list], sched, planned: int, warmup_ratio: float) -> int:
-    """Cut the epoch plans (in place) to their first `planned` steps and schedule the learning rate for that
-    many: warmup and decay over the run that will happen, not the one that was asked for."""
-    left = planned
-    for i, plan in enumerate(steps_of):
-        if left <= 0:
-            del steps_of[i:]
-            break
-        del plan[left:]
-        left -= len(plan)
-    sched.lr_lambdas = [_lr_lambda(planned, max(1, int(planned * warmup_ratio)))] * len(sched.lr_lambdas)
-    return planned
-
-
-def simulated_acceptance_length(accs: list[float]) -> float:
-    """1 (the bonus token) + Σ_k Π_{j≤k} acc_j, comparable to the engines' mean acceptance length."""
-    total, prod = 1.0, 1.0
-    for a in accs:
-        prod *= a
-        total += prod
-    return total
-
-
-def bf16_compute(device: str, precision: str = "auto") -> bool:
-    """bf16 matmuls with fp32 master weights: on GPU, and on CPUs with bf16 instructions (AVX512-BF16, AMX),
-    where it doubles training speed; `precision` fp32 or bf16 forces it."""
-    if precision != "auto":
-        return precision == "bf16"
-    from .compute_dtype import cpu
-
-    return device.startswith("cuda") or cpu()["cpu_bf16"]
-
-
-def autocast(device: str, bf16: bool | None = None):
-    bf16 = device.startswith("cuda") if bf16 is None else bf16
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
-
-
-def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device, bf16=None,
-             labels=None, loss_on: str = "responses", rows_per_batch: int = 1) -> tuple[list, list, list]:
-    """Mean per-step loss, accuracy and chain acceptance over `plan`, without updating."""
-    sums = torch.zeros(3, steps, device=device)
-    with torch.no_grad(), autocast(device, bf16):
-        for rows in plan:
-            batch = batch_on(data, rows, row_tokens, device, labels, loss_on, rows_per_batch)
-            _, losses, accs, _, accept = ttt_loss(model, head, batch, steps, decay, dtype)
-            sums += torch.stack([torch.stack(xs).float() for xs in (losses, accs, accept)])
-    n = max(len(plan), 1)
-    return tuple((x / n).tolist() for x in sums.cpu())
-
-
-def host_batch(data, rows, row_tokens: int, labels=None, loss_on: str = "responses", rows_per_batch: int = 1,
-               pad: bool = False, pin: bool = False) -> dict:
-    batch = collate(data, rows, row_tokens, labels, rows_per_batch, pad=pad, pin=pin)
-    if loss_on == "all":  # the target's predictions on prompt tokens are training signal too
-        batch["loss_mask"].copy_(batch["doc"] >= 0)
-    return batch
-
-
-def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str = "responses",
-             rows_per_batch: int = 1) -> dict:
-    """A batch on `device`; on the GPU path padded to its fixed shape (`train_data.batch_shape`)."""
-    fast = gpu_path(device)
-    batch = host_batch(data, rows, row_tokens, labels, loss_on, rows_per_batch, pad=fast, pin=fast)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-# Bounds a value must meet, checked before any work: (key, test, what it must be).
-_BOUNDS = (("epochs", lambda v: v >= 1, "at least 1"), ("ttt_steps", lambda v: v >= 1, "at least 1"),
-           ("row_tokens", lambda v: v >= 1, "at least 1"), ("rows_per_batch", lambda v: v >= 1, "at least 1"),
-           ("num_layers", lambda v: v >= 1, "at least 1"), ("lr", lambda v: v > 0, "positive"),
-           ("max_grad_norm", lambda v: v > 0, "positive"), ("step_decay", lambda v: v > 0, "positive"),
-           ("warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"), ("noise_std", lambda v: v >= 0, "0 or more"),
-           ("weight_decay", lambda v: v >= 0, "0 or more"), ("layer_lr", lambda v: v >= 0, "0 or more"),
-           ("save_every_steps", lambda v: v >= 0, "0 or more"),
-           ("time_budget_s", lambda v: v is None or v > 0, "positive (or None: no budget)"))
-
-
-def check_args(args: dict, hp: dict) -> None:
-    """Refuse what cannot make a sensible run, before anything is read or written: an output that would leave
-    the work directory, and counts or rates out of range (epochs 0 would publish an untrained drafter)."""
-    if ".." in Path(str(args["out"])).parts:
-        raise StageError(f"out {args['out']!r} contains '..': the drafter's directory must not climb out of the "
-                         "place it names (a run_name is a plain name under drafter/)")
-    if args.get("run_name") is not None:
-        check_plain_name(args["run_name"], "run_name")
-    bad = [f"{k} must be {what}, got {hp[k]!r}" for k, ok, what in _BOUNDS
-           if not (hp[k] is None or isinstance(hp[k], (int, float))) or isinstance(hp[k], bool) or not ok(hp[k])]
-    procs = args.get("num_processes") or 1
-    if not isinstance(procs, int) or procs < 1:
-        bad.append(f"num_processes must be at least 1, got {procs!r}")
-    if bad:
-        raise StageError("training settings out of range: " + "; ".join(bad))
-
-
-# The modules whose code decides the trained weights: a change to any of them invalidates a checkpoint.
-_TRAINING_CODE = ("train", "train_data", "drafter", "chain_attention", "target_head", "distributed", "checkpoint")
-
-
-def fingerprint(hp: dict, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
-                init_dir: Path | None, pack_window: int = 1) -> dict:
-    """What a checkpoint's run was made of, by content, one entry per input (so a mismatch can be named).
-    Cheap: shard contents by the hashes their manifests record (verified against the files by ShardSet),
-    the target's and a finetune start's weights by `hash_files` (cached beside each file), the vocab file
-    (a few MB) read once."""
-    here = Path(__file__).parent
-    code = hashlib.sha256(torch.__version__.encode())
-    for m in _TRAINING_CODE:
-        code.update((here / f"{m}.py").read_bytes())
-    fp = {"hyperparameters": {**{k: hp[k] for k in TRAIN_KEYS}, "bf16_compute": bool(bf16),
-                              **({"pack_window": pack_window} if pack_window != 1 else {})},
-          "training code": code.hexdigest()[:32],
-          "target weights": hash_files(weight_files(target))[:32],
-          "vocab": sha256_file(vocab)[:32] if vocab is not None else None,
-          "init_from weights": None}
-    if init_dir is not None:
-        from .checkpoint import weights_hash
-
-        fp["init_from weights"] = weights_hash(init_dir) + sha256_file(init_dir / "config.json")[:16]
-    for name, ident in zip(shard_names, data.identity):
-        fp[f"shard {name}"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-    return fp
-
-
-def fingerprint_changes(old, new: dict) -> list[str]:
-    """What differs between two fingerprints, in words; [] = the same run."""
-    if not isinstance(old, dict):
-        return ["the checkpoint format (written by an older version)"]
-    out = []
-    for k in sorted(set(old) | set(new)):
-        if old.get(k) == new.get(k):
-            continue
-        if k == "hyperparameters" and isinstance(old.get(k), dict):
-            keys = sorted(x for x in set(old[k]) | set(new[k]) if old[k].get(x) != new[k].get(x))
-            out.append("hyperparameters (" + ", ".join(f"{x} {old[k].get(x)!r} -> {new[k].get(x)!r}" for x in keys) + ")")
-        elif k not in old or k not in new:
-            out.append(f"{k} ({'added' if k in new else 'removed'})")
-        else:
-            out.append(f"{k} (content)")
-    return out
-
-
-def _resumable(ckpts: Path, fp: dict, device: str, reporter):
-    """The latest checkpoint's state if it belongs to this very run, else None (the reason logged)."""
-    latest = ckpts / "latest.json"
-    if not latest.exists():
-        return None
-    try:
-        info = json.loads(latest.read_text())
-        changes = fingerprint_changes(info.get("fingerprint"), fp)
-        if changes:
-            reporter.log(f"not resuming {ckpts / info['checkpoint']} (step {info.get('step')}): "
-                         f"{'; '.join(changes)} changed since it was written; training afresh", "warning")
-            return None
-        state = torch.load(ckpts / info["checkpoint"] / "training_state.pt", map_location=device, weights_only=False)
-    except Exception as e:  # a damaged checkpoint is not worth failing the run for: it is only a shortcut
-        reporter.log(f"not resuming from {ckpts}: its checkpoint cannot be read ({type(e).__name__}: {e}); "
-                     "training afresh", "warning")
-        return None
-    if fingerprint_changes(state.get("fingerprint"), fp):
-        reporter.log(f"not resuming {ckpts}: its training state disagrees with latest.json; training afresh", "warning")
-        return None
-    return state
-
-
 def _sync(device: str) -> None:
     """Wait for the GPU's queued work: only where a wall-clock reading must include it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids, save_drafter_dir
-    from .distributed import Group, launch
 
-    # None means "the default", except where None is itself a setting (init_layer: None = random init)
-    hp = {**DEFAULTS, **{k: v for k, v in args.items() if k in DEFAULTS and (v is not None or k == "init_layer")}}
-    check_args(args, hp)
-    procs = int(args.get("num_processes") or 1)
-    if procs > 1 and "RANK" not in os.environ:
-        return launch(workdir, args, reporter, procs)
-    out = resolve(workdir, args["out"])
-    target = resolve(workdir, args["target"])
-    tc = text_config(load_config(target))
-    device = args.get("device", "auto")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    group = Group(device)
-    device = group.device
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    bf16 = bf16_compute(device, str(hp["precision"]))
-    if group.is_main:
-        where = "" if device.startswith("cuda") else f" on {cpu_info()['cpu']} ({', '.join(cpu_info()['cpu_isa'])})"
-        reporter.log(f"training in {'bf16 autocast (fp32 master weights)' if bf16 else 'float32'} "
-                     f"(precision {hp['precision']}){where}")
-    if hp["loss_on"] not in ("responses", "all") or hp["init_head"] not in ("target", "random") or \
-            hp["aux_scale"] not in ("none", "rms") or hp["loss"] not in ("soft", "hard"):
-        raise StageError(f"loss_on must be responses or all (got {hp['loss_on']!r}), init_head target or random "
-                         f"(got {hp['init_head']!r}), aux_scale none or rms (got {hp['aux_scale']!r}), loss soft "
-                         f"or hard (got {hp['loss']!r})")
-    torch.manual_seed(int(hp["seed"]))
-    if device == "cpu":
-        torch.use_deterministic_algorithms(True)
 
-    shard_dirs = [resolve(workdir, s) for s in args["shards"]]
-    head = load_target_head(target, tc.rms_norm_eps)
-    init = args.get("init_from")
-    init_dir = vocab_path = None
-    if init:
-        init_dir = resolve(workdir, init)
-        cfg, weights = load_drafter_dir(init_dir, tc)
-        ids = read_aux_ids(json.loads((init_dir / "config.json").read_text()), tc.num_hidden_layers, tc.model_type)
-        data = ShardSet(shard_dirs, tc.hidden_size)
-        check_finetune_layers(init_dir, ids, data.aux_layer_ids)  # before a single step
-        reporter.log(f"finetuning {init_dir}: its draft vocab ({cfg.draft_vocab_size}), aux layers "
-                     f"{ids.describe()} and {cfg.num_hidden_layers} draft layer(s) are reused")
-        hp["num_layers"] = cfg.num_hidden_layers  # what is trained, in the metadata and the resume fingerprint
-    else:
+class Trainer:
+    """One training run of the `train` stage (args validated against stages.train.TrainArgs)."""
+
+    def __init__(self, workdir: str, args: dict, reporter):
+        from .distributed import Group
+
+        self.workdir, self.args, self.reporter = workdir, args, reporter
+        self.hp = dict(args)  # num_layers may be replaced by a finetune's own
+        self.out = resolve(workdir, args["out"])
+        self.target = resolve(workdir, args["target"])
+        self.tc = text_config(load_config(self.target))
+        device = args["device"]
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.group = Group(device)
+        self.device = self.group.device
+        self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        self.bf16 = bf16_compute(self.device, str(self.hp["precision"]))
+        self.fast = gpu_path(self.device)
+        self.ckpts = self.out / "checkpoints"
+        self.writer = CheckpointWriter()
+
+    # ---- setup ------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        hp, device, reporter = self.hp, self.device, self.reporter
+        if self.group.is_main:
+            where = "" if device.startswith("cuda") else f" on {cpu_info()['cpu']} ({', '.join(cpu_info()['cpu_isa'])})"
+            reporter.log(f"training in {'bf16 autocast (fp32 master weights)' if self.bf16 else 'float32'} "
+                         f"(precision {hp['precision']}){where}")
+        torch.manual_seed(int(hp["seed"]))
+        if device == "cpu":
+            torch.use_deterministic_algorithms(True)
+        self.head = load_target_head(self.target, self.tc.rms_norm_eps)
+        self._load_inputs()
+        if self.group.is_main:
+            reporter.log(f"hidden-state shards checked: {self.data.verified_bytes / 1e6:,.1f} MB, every file's sha256 "
+                         "as its manifest records, hidden states finite")
+        self._build_model()
+        self._make_labels_and_plans()
+        self._make_optimizer()
+
+    def _load_inputs(self) -> None:
+        """The shards and the draft vocab, or a finetune's checkpoint (its vocab and aux layers reused)."""
+        from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids
+
+        args, tc = self.args, self.tc
+        shard_dirs = [resolve(self.workdir, s) for s in args["shards"]]
+        self.init_dir = self.vocab_path = self.weights = None
+        if args["init_from"]:
+            self.init_dir = resolve(self.workdir, args["init_from"])
+            self.cfg, self.weights = load_drafter_dir(self.init_dir, tc)
+            ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
+                               tc.model_type)
+            self.data = ShardSet(shard_dirs, tc.hidden_size)
+            check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids)  # before a single step
+            self.reporter.log(f"finetuning {self.init_dir}: its draft vocab ({self.cfg.draft_vocab_size}), aux layers "
+                              f"{ids.describe()} and {self.cfg.num_hidden_layers} draft layer(s) are reused")
+            self.hp["num_layers"] = self.cfg.num_hidden_layers  # what is trained, in the metadata and fingerprint
+            return
         from safetensors.torch import load_file
 
-        vocab_path = resolve(workdir, args["vocab"])
-        vocab = load_file(str(vocab_path))
-        d2t, t2d = vocab["d2t"], vocab["t2d"]
+        self.vocab_path = resolve(self.workdir, args["vocab"])
+        vocab = load_file(str(self.vocab_path))
+        self.d2t, self.t2d = d2t, t2d = vocab["d2t"], vocab["t2d"]
         if t2d.shape[0] != tc.vocab_size:
             raise StageError(f"vocab mapping {args['vocab']}: field t2d covers {t2d.shape[0]} target ids but the "
                              f"target vocab has {tc.vocab_size}: it was built for another model; rematerialize "
@@ -343,303 +139,400 @@ def run(workdir: str, args: dict, reporter) -> None:
         if int((torch.arange(d2t.shape[0]) + d2t).max()) >= tc.vocab_size or int(t2d.sum()) != d2t.shape[0]:
             raise StageError(f"vocab mapping {args['vocab']}: d2t and t2d disagree (d2t maps to ids outside the "
                              "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
-        data = ShardSet(shard_dirs, tc.hidden_size)
-        cfg = DraftConfig.from_target(tc, d2t.shape[0], data.aux_layer_ids)
-        if not 1 <= int(hp["num_layers"]) <= tc.num_hidden_layers:
+        self.data = ShardSet(shard_dirs, tc.hidden_size)
+        self.cfg = DraftConfig.from_target(tc, d2t.shape[0], self.data.aux_layer_ids)
+        if not 1 <= int(self.hp["num_layers"]) <= tc.num_hidden_layers:
             raise StageError(f"num_layers must be between 1 and the target's {tc.num_hidden_layers} layers, got "
-                             f"{hp['num_layers']}")
-        cfg.num_hidden_layers = int(hp["num_layers"])
-        weights = None
+                             f"{self.hp['num_layers']}")
+        self.cfg.num_hidden_layers = int(self.hp["num_layers"])
 
-    if group.is_main:
-        reporter.log(f"hidden-state shards checked: {data.verified_bytes / 1e6:,.1f} MB, every file's sha256 as its "
-                     "manifest records, hidden states finite")
-    model = Eagle3Drafter(cfg, head.embed.float())
-    if weights is None:
-        init_weights(model)
-        model.d2t.copy_(d2t)
-        model.t2d.copy_(t2d)
-        if hp["init_head"] == "target":  # the target's own final norm and output rows: a head that already
-            with torch.no_grad():         # speaks its vocab, fed a hidden state like the target's last one
-                model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + d2t].float())
-                model.norm.weight.copy_(head.norm_weight.float())
-    else:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
-    if hp["init_layer"] is not None and weights is None:
+    def _build_model(self) -> None:
+        hp, cfg, head, device = self.hp, self.cfg, self.head, self.device
+        model = self.model = Eagle3Drafter(cfg, head.embed.float())
+        if self.weights is None:
+            init_weights(model)
+            model.d2t.copy_(self.d2t)
+            model.t2d.copy_(self.t2d)
+            if hp["init_head"] == "target":  # the target's own final norm and output rows: a head that already
+                with torch.no_grad():         # speaks its vocab, fed a hidden state like the target's last one
+                    model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + self.d2t].float())
+                    model.norm.weight.copy_(head.norm_weight.float())
+        else:
+            missing, unexpected = model.load_state_dict(self.weights, strict=False)
+            assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
+        if hp["init_layer"] is not None and self.weights is None:
+            self._init_layers_from_target()
+        scale = aux_rms_scale(self.data, self.tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
+        if hp["aux_scale"] == "rms" and self.weights is None:
+            model.aux_scale.copy_(scale)
+        # noise relative to each aux layer's typical size
+        self.noise = (float(hp["noise_std"]) / scale).to(device) if hp["noise_std"] else None
+        model.to(device)
+        head.to(device=device, dtype=self.dtype)
+        if self.fast and self.bf16:  # the frozen embeddings are only ever read as bf16 there: half the memory
+            model.embed_tokens.to(torch.bfloat16)
+        if self.fast and compile_on():
+            model.compile_layers()
+        for p in model.embed_tokens.parameters():
+            p.requires_grad_(False)
+        model.lm_head.weight.requires_grad_(bool(hp["train_lm_head"]))
+
+    def _init_layers_from_target(self) -> None:
+        """The draft's n layers from n consecutive target layers ending at init_layer (-1: the last)."""
         from .drafter import LLAMA_LAYER_TENSORS, init_extra_layer, init_from_target_layer
         from .target_head import load_target_layer
 
-        # the draft's n layers from n consecutive target layers ending at init_layer (-1: the last)
-        last = int(hp["init_layer"]) % tc.num_hidden_layers
+        model, tc = self.model, self.tc
+        last = int(self.hp["init_layer"]) % tc.num_hidden_layers
         first = last - len(model.layers)
         if first < 0:
-            raise StageError(f"init_layer {hp['init_layer']} leaves no room for {cfg.num_hidden_layers} draft layers "
-                             f"before it: use an init_layer of at least {cfg.num_hidden_layers - 1}, or -1")
+            raise StageError(f"init_layer {self.hp['init_layer']} leaves no room for {self.cfg.num_hidden_layers} "
+                             f"draft layers before it: use an init_layer of at least {self.cfg.num_hidden_layers - 1}, "
+                             "or -1")
         at_random = {k: v.clone() for k, v in model.state_dict().items()}
         try:
-            init_from_target_layer(model, load_target_layer(target, first, LLAMA_LAYER_TENSORS))
+            init_from_target_layer(model, load_target_layer(self.target, first, LLAMA_LAYER_TENSORS))
             for i, extra in enumerate(model.layers.values(), 1):
-                init_extra_layer(extra, load_target_layer(target, first + i, LLAMA_LAYER_TENSORS))
-            reporter.log(f"draft layer initialised from target layer {last}" if first == last else
-                         f"draft layers initialised from target layers {', '.join(map(str, range(first, last + 1)))}")
+                init_extra_layer(extra, load_target_layer(self.target, first + i, LLAMA_LAYER_TENSORS))
+            self.reporter.log(f"draft layer initialised from target layer {last}" if first == last else
+                              f"draft layers initialised from target layers {', '.join(map(str, range(first, last + 1)))}")
         except (ValueError, StageError) as e:  # an MoE or MLA target: its layers do not fit a dense draft layer
             model.load_state_dict(at_random)  # all at random, not half from the target
-            reporter.log(f"draft layers initialised at random: target layers {first}..{last} do not fit ({e})",
-                         "warning")
-    scale = aux_rms_scale(data, tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
-    if hp["aux_scale"] == "rms" and weights is None:
-        model.aux_scale.copy_(scale)
-    # noise relative to each aux layer's typical size
-    noise = (float(hp["noise_std"]) / scale).to(device) if hp["noise_std"] else None
-    model.to(device)
-    head.to(device=device, dtype=dtype)
-    fast = gpu_path(device)
-    if fast and bf16:  # the frozen embeddings are only ever read as bf16 there: half the memory, same values
-        model.embed_tokens.to(torch.bfloat16)
-    if fast and compile_on():
-        model.compile_layers()
-    for p in model.embed_tokens.parameters():
-        p.requires_grad_(False)
-    model.lm_head.weight.requires_grad_(bool(hp["train_lm_head"]))
-    d2t_ids, to_draft = draft_index(model)
-    head.restrict(d2t_ids)
-    with reporter.progress("target labels", len(data.refs), unit="samples") as prog, autocast(device, bf16):
-        labels = target_labels(data, head, to_draft, device, dtype, progress=prog)
-    row_tokens, rows_per = int(hp["row_tokens"]), int(hp["rows_per_batch"])
-    # Where rows are padded to a fixed shape (the GPU path) a fuller row is cheaper; on the CPU a batch is
-    # only as long as its longest row, and next-fit keeps the plans the CPU recipes were tuned on.
-    window = PACK_WINDOW if fast else 1
-    held = None
-    if args.get("eval_shards"):  # held-out hidden states: acceptance on data the drafter never saw, per epoch
-        held_data = ShardSet([resolve(workdir, s) for s in args["eval_shards"]], tc.hidden_size, cfg.aux_layer_ids)
-        with autocast(device, bf16):
-            held_labels = target_labels(held_data, head, to_draft, device, dtype)
-        held = (held_data, held_labels, plan_batches([r.length for r in held_data.refs], 0, 0, row_tokens, rows_per,
-                                                     window))
+            self.reporter.log(f"draft layers initialised at random: target layers {first}..{last} do not fit ({e})",
+                              "warning")
 
-    lengths = [r.length for r in data.refs]
-    plans = [plan_batches(lengths, e, int(hp["seed"]), row_tokens, rows_per, window) for e in range(int(hp["epochs"]))]
-    # One optimizer step takes `world` consecutive batches of the plan, one per rank: the same data order
-    # for any GPU count.
-    steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in plans]
-    total_steps = sum(len(p) for p in steps_of)
-    requested_steps, steps_per_epoch = total_steps, len(steps_of[0]) if steps_of else 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    # layer_lr scales the decoder layers' learning rate (their norms too): started from the target's last
-    # layer they must move further than fc, the final norm and lm_head (measured best at 3x)
-    layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
-    groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": float(hp["lr"])},
-              {"params": [p for p in params if id(p) in layer_ids], "lr": float(hp["lr"]) * float(hp["layer_lr"])}]
-    opt = torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]),
-                            **({"fused": True} if fast else {}))  # one kernel per step on the GPU
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, int(total_steps * hp["warmup_ratio"]))))
+    def _make_labels_and_plans(self) -> None:
+        hp, device, group = self.hp, self.device, self.group
+        d2t_ids, to_draft = draft_index(self.model)
+        self.head.restrict(d2t_ids)
+        with self.reporter.progress("target labels", len(self.data.refs), unit="samples") as prog, \
+                autocast(device, self.bf16):
+            self.labels = target_labels(self.data, self.head, to_draft, device, self.dtype, progress=prog)
+        self.row_tokens, self.rows_per = row_tokens, rows_per = int(hp["row_tokens"]), int(hp["rows_per_batch"])
+        # Where rows are padded to a fixed shape (the GPU path) a fuller row is cheaper; on the CPU a batch is
+        # only as long as its longest row, and next-fit keeps the plans the CPU recipes were tuned on.
+        self.window = window = PACK_WINDOW if self.fast else 1
+        self.held = None
+        if self.args["eval_shards"]:  # held-out hidden states: acceptance on data the drafter never saw, per epoch
+            held_data = ShardSet([resolve(self.workdir, s) for s in self.args["eval_shards"]], self.tc.hidden_size,
+                                 self.cfg.aux_layer_ids)
+            with autocast(device, self.bf16):
+                held_labels = target_labels(held_data, self.head, to_draft, device, self.dtype)
+            self.held = (held_data, held_labels, plan_batches([r.length for r in held_data.refs], 0, 0, row_tokens,
+                                                              rows_per, window))
+        self.lengths = [r.length for r in self.data.refs]
+        self.plans = [plan_batches(self.lengths, e, int(hp["seed"]), row_tokens, rows_per, window)
+                      for e in range(int(hp["epochs"]))]
+        # One optimizer step takes `world` consecutive batches of the plan, one per rank: the same data order
+        # for any GPU count.
+        self.steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in self.plans]
+        self.total_steps = self.requested_steps = sum(len(p) for p in self.steps_of)
+        self.steps_per_epoch = len(self.steps_of[0]) if self.steps_of else 0
 
-    # A checkpoint only resumes the run it belongs to: the same inputs by content, settings and code.
-    fp = fingerprint(hp, bf16, target, data, [str(s) for s in args["shards"]], vocab_path, init_dir, window)
-    ckpts = out / "checkpoints"
-    step = 0
-    state = _resumable(ckpts, fp, device, reporter) if args.get("resume", True) else None
-    group.barrier()  # every rank has decided before rank 0 deletes anything
-    if state is not None:
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        step = state["step"]
-        if state.get("planned_steps"):  # a time budget's plan holds for the whole run, not re-timed on resume
-            total_steps = _replan(steps_of, sched, state["planned_steps"], float(hp["warmup_ratio"]))
-        reporter.log(f"resuming from step-{step:07d} (step {step} of {total_steps}): same inputs, settings and code")
-    elif ckpts.exists() and group.is_main:
-        shutil.rmtree(ckpts)  # another run's weights: never resumed, never published under this run's inputs
-    group.barrier()
-    resumed_from = step
+    def _make_optimizer(self) -> None:
+        hp, model = self.hp, self.model
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
+        # layer_lr scales the decoder layers' learning rate (their norms too): started from the target's last
+        # layer they must move further than fc, the final norm and lm_head (measured best at 3x)
+        layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
+        lr = float(hp["lr"])
+        groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": lr},
+                  {"params": [p for p in params if id(p) in layer_ids], "lr": lr * float(hp["layer_lr"])}]
+        self.opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]),
+                                     **({"fused": True} if self.fast else {}))  # one kernel per step on the GPU
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(self.total_steps, max(1, int(self.total_steps * hp["warmup_ratio"]))))
 
-    steps_k, decay = int(hp["ttt_steps"]), float(hp["step_decay"])
-    # A fixed probe of the training data, measured before and after: did this run teach the drafter?
-    probe = plans[0][group.rank: int(args.get("probe_batches", 8)): group.world] if plans else []
-    def measure(on, rows_plan, lab, loss_on="responses"):
+    # ---- resume -----------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Continue this very run's latest checkpoint (same inputs by content, settings and code), or start
+        afresh and delete another run's checkpoints: they are never published under this run's inputs."""
+        group = self.group
+        self.fp = fingerprint(self.hp, self.bf16, self.target, self.data, [str(s) for s in self.args["shards"]],
+                              self.vocab_path, self.init_dir, self.window)
+        self.step = 0
+        state = resumable_state(self.ckpts, self.fp, self.device, self.reporter) if self.args["resume"] else None
+        group.barrier()  # every rank has decided before rank 0 deletes anything
+        self.planned = None  # steps a time budget fits, once planned
+        if state is not None:
+            self.model.load_state_dict(state["model"], strict=False)
+            self.opt.load_state_dict(state["optimizer"])
+            self.sched.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+            self.step = state["step"]
+            self.planned = state.get("planned_steps")
+            if self.planned:  # a time budget's plan holds for the whole run, not re-timed on resume
+                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(self.hp["warmup_ratio"]))
+            self.reporter.log(f"resuming from step-{self.step:07d} (step {self.step} of {self.total_steps}): same "
+                              "inputs, settings and code")
+        elif self.ckpts.exists() and group.is_main:
+            shutil.rmtree(self.ckpts)
+        group.barrier()
+        self.resumed_from = self.step
+        if group.is_main:
+            self.reporter.tracker = open_tracker(str(self.hp["tracker"]), self.out, self.step)
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+    def measure(self, data, rows_plan, labels, loss_on: str = "responses"):
         # held-out figures always count replies only: that is where an engine drafts
-        return evaluate(model, head, on, rows_plan, row_tokens, steps_k, decay, dtype, device, bf16, lab, loss_on,
-                        rows_per)
+        return evaluate(self.model, self.head, data, rows_plan, self.row_tokens, int(self.hp["ttt_steps"]),
+                        float(self.hp["step_decay"]), self.dtype, self.device, self.bf16, labels, loss_on,
+                        self.rows_per)
 
-    before = measure(data, probe, labels, str(hp["loss_on"]))
-    heldout_curve = {"epoch": [], "acceptance_length": []}
-    save_every = int(hp["save_every_steps"])
-    sum_loss = torch.zeros(steps_k, device=device)  # figures stay on the device until the end: no sync per step
-    sum_acc = torch.zeros(steps_k, device=device)
-    n_batches, tokens, t0 = 0, 0, time.monotonic()
-    epoch_tokens = data.tokens
-    curve, curve_every, curve_at = {"step": [], "loss_0": [], "acc_0": []}, max(1, total_steps // 200), []
-    budget = float(hp["time_budget_s"]) if hp["time_budget_s"] else None
-    planned = state.get("planned_steps") if state else None
-    t_first = None
-    # this rank's batches from the resume point on, in step order: made ahead of the loop on the GPU
-    items, k = [], 0
-    for epoch, plan in enumerate(steps_of):
-        for b, group_rows in enumerate(plan):
-            if k >= step and group.rank < len(group_rows):
-                items.append(((epoch, b), group_rows[group.rank]))
-            k += 1
-    batches = Prefetcher(items, lambda rows: host_batch(data, rows, row_tokens, labels, str(hp["loss_on"]), rows_per,
-                                                        pad=fast, pin=fast), device)
-    writer = CheckpointWriter()
-    bad_at = torch.zeros((), dtype=torch.long, device=device)  # GPU path: the first non-finite step (0: none)
+    def evaluate_heldout(self, epoch: int) -> None:
+        accept = self.measure(self.held[0], self.held[2], self.held[1])[2]
+        self.heldout_curve["epoch"].append(epoch + 1)
+        self.heldout_curve["acceptance_length"].append(round(1 + sum(accept[:3]), 4))
+        self.reporter.log(f"epoch {epoch + 1}: held-out acceptance length (k=3) {1 + sum(accept[:3]):.3f}")
+        self.reporter.scalars(self.step, **{"heldout/acceptance_length_k3": 1 + sum(accept[:3])})
 
-    def not_finite(at: int) -> StageError:
-        ends = list(itertools.accumulate(len(p) for p in steps_of))
+    def _track(self, pending: list, force: bool) -> None:
+        """The tracker's points since the last host sync, read at once (on the GPU path only where the loop
+        syncs anyway: checkpoints, finite checks, the end), so tracking adds no sync per step."""
+        if not pending or (self.fast and not force):
+            return
+        values = torch.stack([v for _, v, _ in pending]).tolist()
+        k = len(values[0]) // 2
+        for (step, _, lr), row in zip(pending, values):
+            self.reporter.scalars(step, **{f"train/loss_{i}": row[i] for i in range(k)},
+                                  **{f"train/acc_{i}": row[k + i] for i in range(k)}, **{"train/lr": lr})
+        pending.clear()
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def _not_finite(self, at: int) -> StageError:
+        ends = list(itertools.accumulate(len(p) for p in self.steps_of))
         return StageError(
-            f"the training loss is not finite (NaN or inf) at step {at} of {total_steps} (epoch "
-            f"{1 + sum(e < at for e in ends)}); nothing was written as the drafter. Lower lr (now {hp['lr']}) or "
-            f"max_grad_norm, or set precision fp32; checkpoints up to step {at - 1} are kept"
-            + (f" in {ckpts}" if ckpts.exists() else ""))
+            f"the training loss is not finite (NaN or inf) at step {at} of {self.total_steps} (epoch "
+            f"{1 + sum(e < at for e in ends)}); nothing was written as the drafter. Lower lr (now {self.hp['lr']}) "
+            f"or max_grad_norm, or set precision fp32; checkpoints up to step {at - 1} are kept"
+            + (f" in {self.ckpts}" if self.ckpts.exists() else ""))
 
-    def check_finite() -> None:
+    def _check_finite(self) -> None:
         """GPU path: the flags of the steps since the last check, read at once (a host sync): before any
         checkpoint and every FINITE_CHECK_EVERY steps. Every rank checks at the same steps."""
-        at = int(bad_at)
-        first = -group.max(-float(at) if at else -math.inf)
+        at = int(self.bad_at)
+        first = -self.group.max(-float(at) if at else -math.inf)
         if first != math.inf:
-            raise not_finite(int(first))
+            raise self._not_finite(int(first))
 
-    try:
-        with reporter.progress("train", total_steps * 1, unit="steps") as prog:
-            prog.update(step)
-            done = 0
-            for epoch, plan in enumerate(steps_of):
-                for b, group_rows in enumerate(plan):
-                    if done < step:
+    def train_step(self, batch) -> tuple[list, list]:
+        """One optimizer step on this rank's batch (None: the epoch's last step left this rank without one)."""
+        group, hp = self.group, self.hp
+        finite = losses = accs = None
+        if batch is not None:
+            with autocast(self.device, self.bf16):
+                loss, losses, accs, _, _ = ttt_loss(self.model, self.head, batch, int(hp["ttt_steps"]),
+                                                    float(hp["step_decay"]), self.dtype, self.noise,
+                                                    hp["loss"] == "hard")
+            loss.backward()
+            finite = torch.isfinite(loss.detach())
+        if not self.fast:  # every rank stops together, before the step is applied
+            if group.sum(0.0 if finite is None or bool(finite) else 1.0):
+                raise self._not_finite(self.step + 1)
+        elif finite is not None:  # no sync: recorded, read by _check_finite
+            self.bad_at = torch.where((self.bad_at == 0) & ~finite, torch.full_like(self.bad_at, self.step + 1),
+                                      self.bad_at)
+        group.all_reduce_grads(self.params)
+        torch.nn.utils.clip_grad_norm_(self.params, float(hp["max_grad_norm"]))
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return losses, accs
+
+    def _calibrate_budget(self, prog) -> None:
+        """A time budget: time the first steps after the warm-up one, then cut the run to the steps that fit."""
+        budget, hp = float(self.hp["time_budget_s"]), self.hp
+        if self.step - self.resumed_from == 1:
+            _sync(self.device)
+            self.t_first = time.monotonic()  # the first step warms up; time the next ones
+        elif self.step - self.resumed_from == CALIBRATION_STEPS + 1:
+            _sync(self.device)
+            self.planned = plan_budget(time.monotonic(), self.t0, self.t_first, budget, self.step, self.total_steps,
+                                       self.group)
+            if self.planned < self.total_steps:
+                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(hp["warmup_ratio"]))
+                prog.set_total(self.total_steps)
+            self.reporter.log(f"time budget {budget:g} s: {self.planned:,} of {self.requested_steps:,} steps "
+                              f"({self.planned / max(self.steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) "
+                              "fit; the learning-rate schedule is planned for those",
+                              "warning" if self.planned < self.steps_per_epoch else "info")
+
+    def checkpoint(self, epoch: int, end_of_epoch: bool) -> None:
+        """Written by a thread (the next steps run meanwhile), published atomically; every rank waits."""
+        if self.group.is_main:
+            self.writer.save(self.ckpts / f"step-{self.step:07d}", self.model, self.opt, self.sched,
+                             {"step": self.step, "epoch": epoch + int(end_of_epoch), "fingerprint": self.fp,
+                              "planned_steps": self.planned})
+        self.group.barrier()
+
+    def _batches(self) -> Prefetcher:
+        """This rank's batches from the resume point on, in step order: made ahead of the loop on the GPU."""
+        items, k = [], 0
+        for epoch, plan in enumerate(self.steps_of):
+            for b, group_rows in enumerate(plan):
+                if k >= self.step and self.group.rank < len(group_rows):
+                    items.append(((epoch, b), group_rows[self.group.rank]))
+                k += 1
+        return Prefetcher(items, lambda rows: host_batch(self.data, rows, self.row_tokens, self.labels,
+                                                         str(self.hp["loss_on"]), self.rows_per, pad=self.fast,
+                                                         pin=self.fast), self.device)
+
+    def fit(self) -> None:
+        """Every epoch's steps from the resume point on; held-out evaluation and a checkpoint at each epoch's
+        end (and every save_every_steps)."""
+        hp, group, device = self.hp, self.group, self.device
+        steps_k = int(hp["ttt_steps"])
+        # A fixed probe of the training data, measured before and after: did this run teach the drafter?
+        self.probe = self.plans[0][group.rank: int(self.args["probe_batches"]): group.world] if self.plans else []
+        self.before = self.measure(self.data, self.probe, self.labels, str(hp["loss_on"]))
+        self.heldout_curve = {"epoch": [], "acceptance_length": []}
+        save_every = int(hp["save_every_steps"])
+        sum_loss = torch.zeros(steps_k, device=device)  # figures stay on the device until the end: no sync per step
+        sum_acc = torch.zeros(steps_k, device=device)
+        n_batches, tokens, self.t0 = 0, 0, time.monotonic()
+        curve, curve_every, curve_at = {"step": [], "loss_0": [], "acc_0": []}, max(1, self.total_steps // 200), []
+        self.bad_at = torch.zeros((), dtype=torch.long, device=device)  # GPU path: first non-finite step (0: none)
+        track_every, tracked = max(1, self.total_steps // 1000), []
+        batches = self._batches()
+        try:
+            with self.reporter.progress("train", self.total_steps, unit="steps") as prog:
+                prog.update(self.step)
+                done = 0
+                for epoch, plan in enumerate(self.steps_of):
+                    for b, group_rows in enumerate(plan):
+                        if done < self.step:
+                            done += 1
+                            continue
+                        batch = None
+                        if group.rank < len(group_rows):
+                            key, batch = next(batches)
+                            assert key == (epoch, b), (key, epoch, b)
+                        losses, accs = self.train_step(batch)
                         done += 1
-                        continue
-                    finite = None
-                    if group.rank < len(group_rows):  # the last step of an epoch may leave a rank without a batch
-                        key, batch = next(batches)
-                        assert key == (epoch, b), (key, epoch, b)
-                        with autocast(device, bf16):
-                            loss, losses, accs, _, _ = ttt_loss(model, head, batch, steps_k, decay, dtype, noise,
-                                                                hp["loss"] == "hard")
-                        loss.backward()
-                        finite = torch.isfinite(loss.detach())
-                    if not fast:  # every rank stops together, before the step is applied
-                        if group.sum(0.0 if finite is None or bool(finite) else 1.0):
-                            raise not_finite(step + 1)
-                    elif finite is not None:  # no sync: recorded, read by check_finite
-                        bad_at = torch.where((bad_at == 0) & ~finite, torch.full_like(bad_at, step + 1), bad_at)
-                    group.all_reduce_grads(params)
-                    torch.nn.utils.clip_grad_norm_(params, float(hp["max_grad_norm"]))
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad(set_to_none=True)
-                    step += 1
-                    done += 1
-                    if budget and planned is None:
-                        if step - resumed_from == 1:
-                            _sync(device)
-                            t_first = time.monotonic()  # the first step warms up; time the next ones
-                        elif step - resumed_from == CALIBRATION_STEPS + 1:
-                            _sync(device)
-                            planned = _plan_budget(time.monotonic(), t0, t_first, budget, step, total_steps, group)
-                            if planned < total_steps:
-                                total_steps = _replan(steps_of, sched, planned, float(hp["warmup_ratio"]))
-                                prog.set_total(total_steps)
-                            reporter.log(f"time budget {budget:g} s: {planned:,} of {requested_steps:,} steps "
-                                         f"({planned / max(steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) "
-                                         "fit; the learning-rate schedule is planned for those",
-                                         "warning" if planned < steps_per_epoch else "info")
-                    # every rank's real tokens, from the plan: no collective, no sync
-                    ntok = sum(batch_tokens(lengths, r, row_tokens, rows_per) for r in group_rows)
-                    tokens += ntok
-                    if group.is_main and ntok and group.rank < len(group_rows) and step % curve_every == 0:
-                        curve["step"].append(step)  # the values are read at the end
-                        curve_at.append(torch.stack([losses[0], accs[0]]))
-                    if epoch == len(steps_of) - 1 and ntok and group.rank < len(group_rows):
-                        sum_loss += torch.stack(losses).float()  # the last epoch's figures describe the
-                        sum_acc += torch.stack(accs).float()     # final weights (rank 0's share of them)
-                        n_batches += 1
-                    prog.update(1, tokens=ntok)
-                    end_of_epoch = b == len(plan) - 1
-                    save = end_of_epoch or (save_every and step % save_every == 0)
-                    if fast and (save or step % FINITE_CHECK_EVERY == 0 or step == total_steps):
-                        check_finite()
-                    if end_of_epoch and held is not None and group.is_main:
-                        accept = measure(held[0], held[2], held[1])[2]
-                        heldout_curve["epoch"].append(epoch + 1)
-                        heldout_curve["acceptance_length"].append(round(1 + sum(accept[:3]), 4))
-                        reporter.log(f"epoch {epoch + 1}: held-out acceptance length (k=3) {1 + sum(accept[:3]):.3f}")
-                    if save:
-                        if group.is_main:
-                            writer.save(ckpts / f"step-{step:07d}", model, opt, sched,
-                                        {"step": step, "epoch": epoch + int(end_of_epoch), "fingerprint": fp,
-                                         "planned_steps": planned})
-                        group.barrier()
-        _sync(device)
-    finally:
-        batches.close()
-        if batches.summary() and group.is_main:
-            reporter.log(batches.summary())
-        writer.wait()  # the last checkpoint is complete before anything is published (or the error is raised)
-    for loss_0, acc_0 in torch.stack(curve_at).tolist() if curve_at else []:
-        curve["loss_0"].append(round(loss_0, 5))
-        curve["acc_0"].append(round(acc_0, 5))
-    sum_loss, sum_acc = sum_loss.cpu(), sum_acc.cpu()
-    wall = time.monotonic() - t0
-    after = measure(data, probe, labels, str(hp["loss_on"]))
-    final_held = measure(held[0], held[2], held[1]) if held is not None and group.is_main else None
-    model_dir = out / "model"
-    if not group.is_main:
-        return
-    bad = [k for k, v in model.export_state().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        raise StageError(f"the trained drafter holds NaN or inf in {', '.join(bad[:5])}: not written to {model_dir}. "
-                         f"Lower lr or set precision fp32, and check the hidden-state shards")
-    save_drafter_dir(model, model_dir, target_info={"path": str(target), "model_type": tc.model_type,
-                                                    "num_layers": tc.num_hidden_layers})
-    from .checkpoint import weights_hash
+                        if hp["time_budget_s"] and self.planned is None:
+                            self._calibrate_budget(prog)
+                        # every rank's real tokens, from the plan: no collective, no sync
+                        ntok = sum(batch_tokens(self.lengths, r, self.row_tokens, self.rows_per) for r in group_rows)
+                        tokens += ntok
+                        mine = ntok and batch is not None
+                        if group.is_main and mine and self.step % curve_every == 0:
+                            curve["step"].append(self.step)  # the values are read at the end
+                            curve_at.append(torch.stack([losses[0], accs[0]]))
+                        if group.is_main and mine and self.step % track_every == 0:
+                            tracked.append((self.step, torch.cat([torch.stack(losses), torch.stack(accs)]).float(),
+                                            self.sched.get_last_lr()[0]))
+                        if epoch == len(self.steps_of) - 1 and mine:
+                            sum_loss += torch.stack(losses).float()  # the last epoch's figures describe the
+                            sum_acc += torch.stack(accs).float()     # final weights (rank 0's share of them)
+                            n_batches += 1
+                        prog.update(1, tokens=ntok)
+                        end_of_epoch = b == len(plan) - 1
+                        save = end_of_epoch or (save_every and self.step % save_every == 0)
+                        synced = save or self.step % FINITE_CHECK_EVERY == 0 or self.step == self.total_steps
+                        if self.fast and synced:
+                            self._check_finite()
+                        self._track(tracked, synced)
+                        if end_of_epoch and self.held is not None and group.is_main:
+                            self.evaluate_heldout(epoch)
+                        if save:
+                            self.checkpoint(epoch, end_of_epoch)
+            _sync(device)
+        finally:
+            batches.close()
+            if batches.summary() and group.is_main:
+                self.reporter.log(batches.summary())
+            self.writer.wait()  # the last checkpoint is complete before anything is published (or the error raised)
+        self.curve = curve
+        for loss_0, acc_0 in torch.stack(curve_at).tolist() if curve_at else []:
+            curve["loss_0"].append(round(loss_0, 5))
+            curve["acc_0"].append(round(acc_0, 5))
+        self.wall = time.monotonic() - self.t0
+        self.tokens_per_s = tokens / max(self.wall, 1e-9)
+        n = max(n_batches, 1)
+        self.acc, self.loss_per = (sum_acc.cpu() / n).tolist(), (sum_loss.cpu() / n).tolist()
 
-    acc = (sum_acc / max(n_batches, 1)).tolist()
-    loss_per = (sum_loss / max(n_batches, 1)).tolist()
-    meta = {
-        "path": str(model_dir),
-        "init": "finetune" if init else "scratch",
-        "init_from": str(init) if init else "",
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "aux_layer_ids": cfg.aux_layer_ids,
-        "draft_vocab_source": f"reused from {init}" if init else str(args.get("vocab")),
-        "epochs": int(hp["epochs"]),
-        "epochs_trained": round(step / max(steps_per_epoch, 1), 2),
-        "steps": step,
-        "requested_steps": requested_steps,
-        "time_budget_s": hp["time_budget_s"],
-        "resumed_from_step": resumed_from,
-        "ttt_steps": steps_k,
-        "train_tokens_per_epoch": epoch_tokens,
-        "tokens_per_s": round(tokens / max(wall, 1e-9), 1),
-        "wall_s": round(wall, 1),
-        "device": device,
-        "compute": "bf16 autocast, fp32 master weights" if bf16 else "float32",
-        **({} if device.startswith("cuda") else cpu_info()),
-        "data_parallel_processes": group.world,
-        "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
-        "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,
-        "probe_loss_0_after": round(after[0][0], 5) if after[0] else None,
-        "probe_acc_0_before": round(before[1][0], 5) if before[1] else None,
-        "probe_acc_0_after": round(after[1][0], 5) if after[1] else None,
-        "probe_simulated_acceptance_length": round(simulated_acceptance_length(after[1]), 4),
-        "probe_acceptance_length_k3": round(1 + sum(after[2][:3]), 4),
-        "bf16_compute": bf16,
-        **({"heldout_acceptance_length_k3": round(1 + sum(final_held[2][:3]), 4),
-            **{f"heldout_accept_{i}": round(a, 4) for i, a in enumerate(final_held[2])},
-            "heldout_curve": heldout_curve} if final_held else {}),
-        **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
-        **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
-        "hyperparameters": {k: hp[k] for k in TRAIN_KEYS},
-        "fingerprint": fp,
-        "training_curve": curve,
-        "training_curve_chart": charts.curves({"loss (unroll step 0)": curve["loss_0"],
-                                               "accuracy (unroll step 0)": curve["acc_0"]}),
-    }
-    version = weights_hash(model_dir)
-    reporter.materialize(metadata=meta, data_version=version)
-    reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length", "tokens_per_s", "wall_s",
-                                             "data_parallel_processes")}, "data_version": version,
-                     "acc": acc, "loss": loss_per})
+    # ---- publish ----------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """The final weights as the canonical checkpoint (rank 0), and the run's figures as metadata."""
+        from .checkpoint import save_drafter_dir, weights_hash
+
+        hp, group, tc, cfg = self.hp, self.group, self.tc, self.cfg
+        after = self.measure(self.data, self.probe, self.labels, str(hp["loss_on"]))
+        final_held = self.measure(self.held[0], self.held[2], self.held[1]) if self.held is not None and \
+            group.is_main else None
+        model_dir = self.out / "model"
+        if not group.is_main:
+            return
+        bad = [k for k, v in self.model.export_state().items()
+               if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise StageError(f"the trained drafter holds NaN or inf in {', '.join(bad[:5])}: not written to "
+                             f"{model_dir}. Lower lr or set precision fp32, and check the hidden-state shards")
+        save_drafter_dir(self.model, model_dir, target_info={"path": str(self.target), "model_type": tc.model_type,
+                                                             "num_layers": tc.num_hidden_layers})
+        init = self.args["init_from"]
+        before, acc, loss_per, curve = self.before, self.acc, self.loss_per, self.curve
+        meta = {
+            "path": str(model_dir),
+            "init": "finetune" if init else "scratch",
+            "init_from": str(init) if init else "",
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "aux_layer_ids": cfg.aux_layer_ids,
+            "draft_vocab_source": f"reused from {init}" if init else str(self.args["vocab"]),
+            "epochs": int(hp["epochs"]),
+            "epochs_trained": round(self.step / max(self.steps_per_epoch, 1), 2),
+            "steps": self.step,
+            "requested_steps": self.requested_steps,
+            "time_budget_s": hp["time_budget_s"],
+            "resumed_from_step": self.resumed_from,
+            "ttt_steps": int(hp["ttt_steps"]),
+            "train_tokens_per_epoch": self.data.tokens,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "wall_s": round(self.wall, 1),
+            "device": self.device,
+            "compute": "bf16 autocast, fp32 master weights" if self.bf16 else "float32",
+            **({} if self.device.startswith("cuda") else cpu_info()),
+            "data_parallel_processes": group.world,
+            "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
+            "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,
+            "probe_loss_0_after": round(after[0][0], 5) if after[0] else None,
+            "probe_acc_0_before": round(before[1][0], 5) if before[1] else None,
+            "probe_acc_0_after": round(after[1][0], 5) if after[1] else None,
+            "probe_simulated_acceptance_length": round(simulated_acceptance_length(after[1]), 4),
+            "probe_acceptance_length_k3": round(1 + sum(after[2][:3]), 4),
+            "bf16_compute": self.bf16,
+            **({"heldout_acceptance_length_k3": round(1 + sum(final_held[2][:3]), 4),
+                **{f"heldout_accept_{i}": round(a, 4) for i, a in enumerate(final_held[2])},
+                "heldout_curve": self.heldout_curve} if final_held else {}),
+            **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
+            **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
+            "hyperparameters": {k: hp[k] for k in HYPERPARAMETERS},
+            "fingerprint": self.fp,
+            "training_curve": curve,
+            "training_curve_chart": charts.curves({"loss (unroll step 0)": curve["loss_0"],
+                                                   "accuracy (unroll step 0)": curve["acc_0"]}),
+        }
+        version = weights_hash(model_dir)
+        self.reporter.scalars(self.step, **{"final/simulated_acceptance_length": meta["simulated_acceptance_length"],
+                                            "final/tokens_per_s": meta["tokens_per_s"]})
+        self.reporter.materialize(metadata=meta, data_version=version)
+        self.reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length", "tokens_per_s",
+                                                      "wall_s", "data_parallel_processes")},
+                              "data_version": version, "acc": acc, "loss": loss_per})
+
+
+def run(workdir: str, args: dict, reporter) -> None:
+    """Stage `train` (args: stages.train.TrainArgs, validated, every default filled in)."""
+    if int(args["num_processes"]) > 1 and "RANK" not in os.environ:
+        from .distributed import launch
+
+        return launch(workdir, args, reporter, int(args["num_processes"]))
+    trainer = Trainer(workdir, args, reporter)
+    try:
+        trainer.setup()
+        trainer.resume()
+        trainer.fit()
+        trainer.publish()
+    finally:
+        reporter.tracker.close()
