@@ -1,5 +1,6 @@
 """Throughput and peak GPU memory of the real `train` stage, run as the asset runs it: hidden-state shards
-on disk in our format, a target directory, `eagle3_assets.worker.train.run` with the stage's defaults.
+on disk in our format, a target directory, `run_stage("train", ...)` as the worker runs it (arguments
+validated, every default filled in).
 
     python bench/train_bench.py --shape llama-3.1-8b --configs 1x8192:3,1x8192:7        # on a GPU host
     python bench/train_bench.py --shape tiny --configs 1x256:2 --steps 3 --warmup 1     # CPU smoke test
@@ -138,9 +139,10 @@ def check(shape: str, T: int, ttt: int) -> dict:
     float32 and in bf16 autocast. Two rows of several documents and padding."""
     import torch
 
-    from eagle3_assets.worker import train
     from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, init_weights
     from eagle3_assets.worker.target_head import TargetHead
+    from eagle3_assets.worker.train_eval import autocast
+    from eagle3_assets.worker.ttt_loss import ttt_loss
 
     s, dev = SHAPES[shape], "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test only
     c = DraftConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_attention_heads=s["heads"],
@@ -177,8 +179,8 @@ def check(shape: str, T: int, ttt: int) -> dict:
         os.environ["EAGLE3_TRAIN_EAGER"] = "1" if eager else "0"
         sync()
         t = time.perf_counter()
-        with train.autocast(dev, bf16):
-            loss, losses, accs, _, accept = train.ttt_loss(model, head, batch, ttt, 0.8,
+        with autocast(dev, bf16):
+            loss, losses, accs, _, accept = ttt_loss(model, head, batch, ttt, 0.8,
                                                            torch.bfloat16 if bf16 else torch.float32)
         grads = torch.autograd.grad(loss, params)
         sync()
@@ -213,8 +215,8 @@ def check(shape: str, T: int, ttt: int) -> dict:
 def child(spec: dict) -> dict:
     import torch
 
-    from eagle3_assets.worker import train
     from eagle3_assets.worker.report import Reporter
+    from eagle3_assets.worker.stages import run_stage
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -248,7 +250,7 @@ def child(spec: dict) -> dict:
             if st["prof"] is not None and st["n"] == warmup + steps + profile:
                 sync()
                 st["prof"].__exit__(None, None, None)
-                table = st["prof"].key_averages().table(sort_by="cuda_time_total", row_limit=40)
+                table = st["prof"].key_averages().table(sort_by="self_cuda_time_total", row_limit=60)
                 Path(spec["profile_out"]).write_text(f"{profile} steps\n{table}\n")
                 st["prof"] = None
 
@@ -279,7 +281,7 @@ def child(spec: dict) -> dict:
 
     rep = BenchReporter()
     t0 = time.perf_counter()
-    train.run(spec["workdir"], spec["args"], rep)
+    run_stage("train", spec["workdir"], spec["args"], rep)  # as the worker runs it: arguments validated first
     res = {"steps_timed": steps, "warmup_steps": warmup, "stage_wall_s": round(time.perf_counter() - t0, 1)}
     if st["done"]:
         res.update(tokens_timed=st["tok"], timed_s=round(st["done"], 3),
@@ -289,6 +291,13 @@ def child(spec: dict) -> dict:
     res.update(stage_steps=meta.get("steps"), stage_tokens_per_s=meta.get("tokens_per_s"),
                stage_train_wall_s=meta.get("wall_s"), loss_0=meta.get("loss_0"), acc_0=meta.get("acc_0"))
     res["logs"] = st.get("logs", [])
+    try:  # where the stage's compile time went (dynamo frames, graphs, seconds per compiled function)
+        from torch._dynamo.utils import compile_times, counters
+
+        res["compile"] = {"frames": dict(counters["frames"]), "stats": dict(counters["stats"]),
+                          "times": compile_times(repr="str")[-2500:]}
+    except Exception as e:  # noqa: BLE001
+        res["compile"] = repr(e)
     if cuda:
         res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         res["peak_gpu_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)

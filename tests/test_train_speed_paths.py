@@ -23,14 +23,16 @@ from eagle3_assets.worker.target_head import TargetHead
 from eagle3_assets.worker.train_data import _Rows, batch_shape, batch_tokens, plan_batches
 
 
-def dense_attend(q, k, v, block_mask):
-    """Flex's attention materialised: its mask_mod decides (eager flex reads only that too)."""
+def dense_attend(q, k, v, block_mask, lse=False):
+    """Flex's attention materialised: its mask_mod decides (eager flex reads only that too); with lse, the
+    log-sum-exp of the scores too, as flex returns it (float32, natural log)."""
     B, h, T, d = q.shape
     allowed = create_mask(block_mask.mask_mod, B, 1, T, k.shape[2], device=q.device)
     rep = h // k.shape[1]
     s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)).float() * d ** -0.5
     s = s.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, -1).to(v.dtype) @ v.repeat_interleave(rep, 1)
+    out = torch.softmax(s, -1).to(v.dtype) @ v.repeat_interleave(rep, 1)
+    return (out, torch.logsumexp(s, -1)) if lse else out
 
 
 def _docs():
@@ -62,21 +64,38 @@ def test_flex_chain_attention_equals_the_dense_chain_attention_values_and_gradie
             assert torch.allclose(a, b, atol=1e-5), i
 
 
-def test_each_steps_tiles_cover_its_mask_and_add_only_diagonal_tiles():
+def test_the_block_mask_covers_the_step0_mask_and_lists_no_tile_it_does_not_need():
     """The kernel reads only listed tiles and skips mask_mod on full ones: every tile with an allowed pair
-    must be listed, a full tile must be all allowed, and step i lists i diagonal tiles more than step 0."""
-    doc, steps = _docs(), 3
+    must be listed, a full tile must be all allowed, and no listed tile is empty (the causal triangle of
+    each document, no more)."""
+    doc = _docs()
     T, n = doc.shape[1], doc.shape[1] // ca.BLOCK
-    masks = ca.ChainMasks(doc, steps)
-    for i, bm in enumerate(masks.masks):
-        allowed = create_mask(bm.mask_mod, 2, 1, T, steps * T, device="cpu")
-        tiles = allowed.view(2, 1, n, ca.BLOCK, steps * n, ca.BLOCK)
-        listed = bm.to_dense().bool()
-        assert (listed | ~tiles.any(-1).any(-2)).all(), i
-        full = _full_tiles(bm)
-        assert (tiles.all(-1).all(-2) | ~full).all(), i
-        assert int(listed.sum()) == int(masks.masks[0].to_dense().sum()) + i * 2 * n
-        assert not allowed[..., (i + 1) * T:].any()  # steps not run yet: never seen
+    bm = ca.ChainMasks(doc, 3).base
+    allowed = create_mask(bm.mask_mod, 2, 1, T, T, device="cpu")
+    real = (doc >= 0)[:, None, :, None]  # padding queries differ by design (they see only themselves)
+    assert torch.equal(allowed & real, doc_causal_mask(doc) & real)
+    tiles = allowed.view(2, 1, n, ca.BLOCK, n, ca.BLOCK)
+    listed = bm.to_dense().bool()
+    assert torch.equal(listed, tiles.any(-1).any(-2))
+    full = _full_tiles(bm)
+    assert (tiles.all(-1).all(-2) | ~full).all()
+
+
+def test_the_chain_join_is_the_softmax_over_step0_and_chain_keys():
+    """join_chain (the flex output and its log-sum-exp, then i keys per query at its own position) against
+    one softmax over the concatenated scores, with values far apart (the max is taken before exp)."""
+    torch.manual_seed(3)
+    B, h, kv, T, d, i = 2, 4, 2, 8, 16, 3
+    q = torch.randn(B, h, T, d) * 4
+    k0, v0 = torch.randn(B, kv, T, d), torch.randn(B, kv, T, d)
+    chain = [(torch.randn(B, kv, T, d) * 4, torch.randn(B, kv, T, d)) for _ in range(i)]
+    s0 = (q @ k0.repeat_interleave(2, 1).transpose(-1, -2)) * d ** -0.5
+    out0, lse0 = torch.softmax(s0, -1) @ v0.repeat_interleave(2, 1), torch.logsumexp(s0, -1)
+    sd = torch.stack([(q * k.repeat_interleave(2, 1)).sum(-1) * d ** -0.5 for k, _ in chain], -1)
+    p = torch.softmax(torch.cat([s0, sd], -1), -1)
+    ref = p[..., :T] @ v0.repeat_interleave(2, 1) + sum(p[..., T + j, None] * v.repeat_interleave(2, 1)
+                                                         for j, (_, v) in enumerate(chain))
+    assert torch.allclose(ca.join_chain(q, out0, lse0, chain), ref, atol=1e-5)
 
 
 def _full_tiles(bm):

@@ -1,12 +1,13 @@
 """Chain attention through FlexAttention: the GPU path of `drafter.chain_attention`, same math.
 
 A query at unroll step i and position t sees the step-0 keys of its document up to t, and its own chain's
-keys of steps 1..i at t. Here the keys of every step are laid end to end, [k_0 | k_1 | ... | k_{n-1}]
-(steps not yet run are zeros that no query sees), and one block-sparse flex attention per step reads them,
-the KV heads shared by their query heads (enable_gqa): no T x T score matrix in memory, no repeated K/V.
-Step i's block mask is the step-0 doc-causal blocks plus one diagonal 128 x 128 tile per query tile for
-each step 1..i, so a later step costs the step-0 attention plus i small tiles. The key length is the same
-at every step, so the flex kernel is compiled once.
+keys of steps 1..i at t. The step-0 part is one block-sparse flex attention over the step-0 keys (the KV
+heads shared by their query heads: enable_gqa), with the same doc-causal block mask at every step, so the
+kernel is compiled once and reads only the tiles a document's causal triangle touches; it returns its
+log-sum-exp too. The chain part is i keys per query, one per earlier step at the query's own position: i
+dot products per query, computed elementwise (no 128 x 128 tile per key, no key tensor of every step end
+to end) and joined to the flex output by their log-sum-exp (`join_chain`, compiled on CUDA). No T x T
+score matrix in memory, no repeated K/V.
 
 The dense `drafter.chain_attention` stays the CPU path and the reference the tests compare with.
 """
@@ -14,37 +15,52 @@ The dense `drafter.chain_attention` stays the CPU path and the reference the tes
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:  # torch >= 2.9; older versions return the log-sum-exp with return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover
+    AuxRequest = None
 
 BLOCK = 128  # flex's default tile; the GPU path pads rows to a multiple of it (train_data.collate)
-_compiled = None
+_compiled: dict = {}  # function -> its compiled form (CUDA only), made on first use
 
 
-def _flex():
-    """flex_attention, compiled on CUDA (eager flex is a slow reference that materialises the scores)."""
-    global _compiled
-    if _compiled is None:
-        import torch._dynamo
+def _raise_recompile_limit() -> None:
+    import torch._dynamo
 
-        # variants: grad / no grad x the batch shapes (normal, wide rows); past the default limit of 8,
-        # dynamo would fall back to eager flex, which materialises every score
-        cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
-        _compiled = torch.compile(flex_attention, dynamic=False)
-    return _compiled
+    # variants: grad / no grad x the batch shapes (normal, wide rows) x the chain lengths of the join;
+    # past the default limit of 8, dynamo would fall back to eager flex, which materialises every score
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
 
 
-def _attend(q, k, v, block_mask):
-    fn = _flex() if q.is_cuda else flex_attention
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+def _compiled_fn(fn):
+    """`fn` compiled once (eager flex is a slow reference that materialises the scores)."""
+    if fn not in _compiled:
+        _raise_recompile_limit()
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
+def _attend(q, k, v, block_mask, lse: bool = False):
+    """flex over the step-0 keys; with lse: (out, log-sum-exp [B, h, T] in float32, natural log)."""
+    fn = _compiled_fn(flex_attention) if q.is_cuda else flex_attention
+    if not lse:
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)  # pragma: no cover
 
 
 class ChainMasks:
-    """The block masks of one batch (doc ids [B, T], -1 = padding; T a multiple of BLOCK), one per unroll
-    step, over the keys of `steps` steps end to end. A padding position sees only itself (and its own
-    chain): its output is never read by a real position nor counted, and padding tiles stay empty."""
+    """The block mask of one batch (doc ids [B, T], -1 = padding; T a multiple of BLOCK) over the step-0
+    keys: causal within each document. A padding position sees only itself (and its own chain): its output
+    is never read by a real position nor counted, and padding tiles stay empty. The chain keys of steps
+    1..i need no mask: each query sees exactly its own position's."""
 
     def __init__(self, doc: torch.Tensor, steps: int):
         B, T = doc.shape
@@ -56,43 +72,43 @@ class ChainMasks:
             dq = doc[b, q]
             return ((dq == doc[b, kv]) & (q >= kv) & (dq >= 0)) | (q == kv)
 
-        base = create_block_mask(step0, B, None, T, T, device=doc.device)
-        nb, dev = T // BLOCK, doc.device
-        cols = steps * nb
+        self.base = create_block_mask(step0, B, None, T, T, device=doc.device)
 
-        def widen(x):  # block columns for every step's keys
-            return torch.cat([x, x.new_zeros(*x.shape[:-1], cols - nb)], -1)
 
-        kv_n, kv_i = base.kv_num_blocks, widen(base.kv_indices)
-        full_n, full_i = base.full_kv_num_blocks, base.full_kv_indices
-        if full_i is not None:
-            full_i = widen(full_i)
-        if steps > 1:  # after each query tile's step-0 tiles: its diagonal tile in steps 1..n-1
-            diag = torch.arange(nb, device=dev)[:, None] + nb * torch.arange(1, steps, device=dev)[None, :]
-            slots = kv_n[..., None].long() + torch.arange(steps - 1, device=dev)
-            kv_i = kv_i.scatter(-1, slots, diag.expand(*slots.shape).to(kv_i.dtype))
-        limits = torch.arange(steps, device=dev)
-        self.masks = [BlockMask.from_kv_blocks(kv_n + i, kv_i, full_n, full_i, BLOCK,
-                                               mask_mod=self._mask_mod(doc, T, limits[i]))
-                      for i in range(steps)]
-
-    @staticmethod
-    def _mask_mod(doc, T: int, limit):
-        """The whole truth at step `limit` (eager flex reads only this; the kernel also skips unlisted tiles)."""
-        def mask_mod(b, h, q, kv):
-            s, j = kv % T, kv // T
-            dq = doc[b, q]
-            return (j <= limit) & ((q == s) | ((j == 0) & (dq == doc[b, s]) & (q >= s) & (dq >= 0)))
-        return mask_mod
+def join_chain(q, out0, lse0, chain: list):
+    """The step-0 attention's output and log-sum-exp joined with the chain keys of steps 1..i at each query's
+    own position: an exact softmax over T0 + i keys, in float32. q, out0 [B, h, T, d]; lse0 [B, h, T];
+    chain: (k, v) [B, kv, T, d] of steps 1..i."""
+    B, h, T, d = q.shape
+    kvh = chain[0][0].shape[1]
+    rep = h // kvh
+    qg = q.view(B, kvh, rep, T, d).float()
+    scale = d ** -0.5
+    s = [(qg * k[:, :, None].float()).sum(-1) * scale for k, _ in chain]  # [B, kv, rep, T] each
+    l0 = lse0.view(B, kvh, rep, T).float()
+    m = l0
+    for sj in s:
+        m = torch.maximum(m, sj)
+    m = m.detach()
+    w0 = torch.exp(l0 - m)
+    ws = [torch.exp(sj - m) for sj in s]
+    z = w0
+    for wj in ws:
+        z = z + wj
+    acc = w0[..., None] * out0.view(B, kvh, rep, T, d).float()
+    for wj, (_, v) in zip(ws, chain):
+        acc = acc + wj[..., None] * v[:, :, None].float()
+    return (acc / z[..., None]).view(B, h, T, d).to(q.dtype)
 
 
 def flex_chain_attention(q, cache: list, masks: ChainMasks, attend=None):
     """q [B, h, T, d] at unroll step i = len(cache) - 1; cache: (k, v) [B, kv, T, d] of steps 0..i.
     `attend`: the attention itself (tests swap in a dense one: flex has no backward on the CPU)."""
     attend = attend or _attend
-    i = len(cache) - 1
-    B, kvh, T, d = cache[0][0].shape
-    unseen = q.new_zeros(B, kvh, (masks.steps - 1 - i) * T, d)  # steps not run yet: never attended
-    k = torch.cat([kj for kj, _ in cache] + [unseen], dim=2)
-    v = torch.cat([vj for _, vj in cache] + [unseen], dim=2)
-    return attend(q, k, v, masks.masks[i])
+    k0, v0 = cache[0]
+    # with its log-sum-exp at step 0 too (unused there): one compiled flex kernel pair for every step
+    out0, lse0 = attend(q, k0, v0, masks.base, lse=True)
+    if len(cache) == 1:
+        return out0
+    join = _compiled_fn(join_chain) if q.is_cuda else join_chain
+    return join(q, out0, lse0, cache[1:])

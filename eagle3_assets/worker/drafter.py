@@ -120,6 +120,17 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
+    def split_heads(self, y, cos, sin):
+        """y [B, T, (h + 2 kv) d]: a fused q|k|v projection -> rotated q, k and v, as `project` returns them."""
+        B, T, _ = y.shape
+        c = self.c
+        d, h, kv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        q, k, v = y.split([h * d, kv * d, kv * d], dim=-1)
+        q = q.reshape(B, T, h, d).transpose(1, 2)
+        k = k.reshape(B, T, kv, d).transpose(1, 2)
+        v = v.reshape(B, T, kv, d).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
     def attend(self, q, k, v, cache: list, mask0):
         """[B, T, heads * head_dim], before o_proj."""
         B, _, T, _ = q.shape
@@ -185,6 +196,22 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         return self.self_attn.project(x, cos, sin, w)
 
+    def embed_qkv(self, embeds, w):
+        """The GPU path's embedding half of the q/k/v projections, [B, T, (h + 2 kv) d]: the projections are
+        per token and step i's tokens are step 0's shifted by i, so this is computed once per unroll (over
+        the row and `steps` tokens past it) and each step reads its shifted window (`qkv_split`). w: the cast
+        weights (`cast_weights`), whose last entry is the fused q|k|v weight [(h + 2 kv) d, 2H]."""
+        H = self.hidden_norm.weight.shape[0]
+        return F.linear(self.input_layernorm(embeds), w[7][:, :H])
+
+    def qkv_split(self, emb_qkv, hidden, cos, sin, w):
+        """`qkv` with the embedding half given (`embed_qkv`, this step's window): one matmul over the hidden
+        half, added to it in the matmul (addmm), then rotary."""
+        H = self.hidden_norm.weight.shape[0]
+        B, T, _ = hidden.shape
+        y = torch.addmm(emb_qkv.reshape(B * T, -1), self.hidden_norm(hidden).reshape(B * T, H), w[7][:, H:].t())
+        return self.self_attn.split_heads(y.view(B, T, -1), cos, sin)
+
     def out(self, attn, residual, w=None):
         h = residual + _linear(self.self_attn.o_proj, attn, w, 3)
         return h + self.mlp(self.post_attention_layernorm(h), w)
@@ -206,6 +233,10 @@ class DecoderLayer(nn.Module):
 
     def qkv(self, hidden, cos, sin, w=None):
         return self.self_attn.project(self.input_layernorm(hidden), cos, sin, w)
+
+    def qkv_fused(self, hidden, cos, sin, w):
+        """`qkv` with one matmul over the fused q|k|v weight (`cast_weights`' last entry)."""
+        return self.self_attn.split_heads(F.linear(self.input_layernorm(hidden), w[7]), cos, sin)
 
     def out(self, attn, residual, w=None):
         h = residual + _linear(self.self_attn.o_proj, attn, w, 3)
@@ -233,18 +264,38 @@ class Eagle3Drafter(nn.Module):
         """fc over the 3 aux hidden states: the draft's hidden state for step 0."""
         return self.fc(aux * self.aux_scale.to(aux.dtype))
 
-    def step(self, input_ids, hidden, positions, cache: list, mask, weights=None):
+    def step(self, input_ids, hidden, positions, cache: list, mask, weights=None, emb_qkv=None, rope=None):
         """One unroll step: returns the new (pre-norm) hidden state; logits = self.logits(hidden). Pass the
         same `cache` (an empty list at the first step) to every step of one unroll. `weights`: from
-        `cast_weights`, for every step of the unroll (or None: the modules' own)."""
-        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        `cast_weights`, for every step of the unroll (or None: the modules' own). `emb_qkv` (the GPU path,
+        with `weights`): this step's window of `embed_qkv`, in place of input_ids; the layers' q|k|v then
+        come from their fused weights. `rope`: (cos, sin) of `positions`, made ahead (then positions is unused)."""
+        cos, sin = rope if rope is not None else rotary(positions, self.config.head_dim, self.config.rope_theta,
+                                                        hidden.dtype)
         if not cache:  # `cache` starts empty: one key/value list per layer, filled step by step
             cache.extend([] for _ in range(1 + len(self.layers)))
         w = weights[0] if weights is not None else [None] * (1 + len(self.layers))
-        h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask, w[0])
+        if emb_qkv is None:
+            h = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, cos, sin, cache[0], mask, w[0])
+        else:
+            m = self.midlayer
+            q, k, v = m.qkv_split(emb_qkv, hidden, cos, sin, w[0])
+            h = m.out(m.self_attn.attend(q, k, v, cache[0], mask), hidden, w[0])
         for i, layer in enumerate(self.layers.values(), 1):
-            h = layer(h, cos, sin, cache[i], mask, w[i])
+            if emb_qkv is None:
+                h = layer(h, cos, sin, cache[i], mask, w[i])
+            else:
+                q, k, v = layer.qkv_fused(h, cos, sin, w[i])
+                h = layer.out(layer.self_attn.attend(q, k, v, cache[i], mask), h, w[i])
         return h
+
+    def embed_qkv(self, input_ids, steps: int, weights):
+        """The GPU path: the first layer's q|k|v projections of the token embeddings, once per unroll, over
+        the row and `steps` padding tokens (id 0, as `shift` pads) past it: step i reads
+        [:, i + 1: i + 1 + T]. [B, T + steps, (h + 2 kv) d]."""
+        ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], steps)], dim=1)
+        emb = self.embed_tokens(ids).to(weights[0][0][7].dtype)
+        return self.midlayer.embed_qkv(emb, weights[0][0])
 
     def logits(self, hidden, lm_weight=None):
         """lm_weight: lm_head's weight cast once (`cast_weights`), or None."""
@@ -254,12 +305,15 @@ class Eagle3Drafter(nn.Module):
         """The projection weights in the compute dtype, cast once for a whole unroll (GPU path, bf16
         autocast): as eager autocast caches its casts, so that each compiled piece neither casts them again
         at every step nor adds a float32 gradient per step (the steps' gradients meet in `dtype`, then one
-        cast back). ([per layer: (q, k, v, o, gate, up, down)], lm_head)."""
+        cast back). ([per layer: (q, k, v, o, gate, up, down, qkv)], lm_head): qkv is the fused q|k|v weight
+        (one matmul where three would run), q, k and v are views of it."""
         layers = []
         for layer in (self.midlayer, *self.layers.values()):
             a, m = layer.self_attn, layer.mlp
-            layers.append(tuple(x.weight.to(dtype) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
-                                                                m.up_proj, m.down_proj)))
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).to(dtype)
+            q, k, v = qkv.split([a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]])
+            layers.append((q, k, v, *(x.weight.to(dtype) for x in (a.o_proj, m.gate_proj, m.up_proj, m.down_proj)),
+                           qkv))
         return layers, self.lm_head.weight.to(dtype)
 
     def compile_layers(self) -> None:
@@ -267,8 +321,9 @@ class Eagle3Drafter(nn.Module):
         shapes are the same at every unroll step, so each compiles once; the attention between them is
         `chain_attention`'s compiled flex kernel. Fuses the float32 norms and casts eager mode keeps in memory."""
         for layer in (self.midlayer, *self.layers.values()):
-            layer.qkv = torch.compile(layer.qkv, dynamic=False)
-            layer.out = torch.compile(layer.out, dynamic=False)
+            for name in ("qkv", "out", "qkv_split", "qkv_fused", "embed_qkv"):
+                if hasattr(layer, name):
+                    setattr(layer, name, torch.compile(getattr(layer, name), dynamic=False))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

@@ -124,6 +124,8 @@ def extract_samples(model, samples: list[Sample], out_dir: Path, aux_layers: lis
         with torch.inference_mode():
             for batch in make_batches(samples, batch_tokens):
                 ids, valid, lengths = pad_batch(batch)
+                if device.type == "cuda":  # page-locked: the copies to the device never wait for it
+                    ids, valid = ids.pin_memory(), valid.pin_memory()
                 aux, final = capture(ids.to(device, non_blocking=True))
                 # Gather the real tokens with an index built on the host: a boolean mask would make the host
                 # wait for the device (nonzero), stalling the next batch's launch.

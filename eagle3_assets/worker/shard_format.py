@@ -62,9 +62,11 @@ def quantize_fp8(x, layers: int):
     layer: the layers differ in size by orders of magnitude, so one shared scale would flush the small ones."""
     import torch
 
-    t = x.float().unflatten(-1, (layers, -1))
-    scale = t.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
-    q = (t / scale).to(torch.float8_e4m3fn)
+    t = x.unflatten(-1, (layers, -1))
+    # the max of |x| is exact in x's own dtype; the division promotes to float32 as it reads (one pass fewer
+    # over a float32 copy of the states: the same values as converting first)
+    scale = t.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
+    q = torch.div(t, scale).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale.squeeze(-1)
 
 

@@ -6,6 +6,7 @@ connector, so it imports neither pyarrow nor anything of the engine."""
 from __future__ import annotations
 
 import queue
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,9 @@ class ShardWriter:
         self.files: list[dict] = []
         self.index: list[dict] = []
         self.part_no = 0
+        self.io_threads = io_threads
+        self._lock = threading.Lock()
+        self.stream = None  # on a GPU: the stream the device-to-host copies run on, beside the compute
 
     def add(self, batch: list[Sample], lengths: list[int], aux, final) -> None:
         """aux/final: valid tokens of the batch on the device, samples in `batch` order."""
@@ -73,10 +77,22 @@ class ShardWriter:
         p, o = self.cur, self.cur.used
         if self.fp8:  # quantized where the states are (on a GPU: before the copy, which then moves half)
             (aux, aux_scale), (final, final_scale) = quantize_fp8(aux, 3), quantize_fp8(final, 1)
-            p.scales[0][o: o + n].copy_(aux_scale, non_blocking=True)
-            p.scales[1][o: o + n].copy_(final_scale, non_blocking=True)
-        p.aux[o: o + n].copy_(aux, non_blocking=True)
-        p.final[o: o + n].copy_(final, non_blocking=True)
+            pairs = [(p.scales[0], aux_scale), (p.scales[1], final_scale), (p.aux, aux), (p.final, final)]
+        else:
+            pairs = [(p.aux, aux), (p.final, final)]
+        if aux.is_cuda:  # copied on a stream of its own, so the next batch's forward runs meanwhile
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(aux.device)
+            self.stream.wait_stream(torch.cuda.current_stream(aux.device))
+            with torch.cuda.stream(self.stream):
+                for dst, src in pairs:
+                    dst[o: o + n].copy_(src, non_blocking=True)
+                    src.record_stream(self.stream)  # not reused by the next forward before the copy is done
+                p.event = torch.cuda.Event()
+                p.event.record(self.stream)
+        else:
+            for dst, src in pairs:
+                dst[o: o + n].copy_(src)
         off = o
         for s, ln in zip(batch, lengths):
             p.ids[off: off + ln] = torch.tensor(s.input_ids[:ln], dtype=torch.int64)
@@ -85,9 +101,6 @@ class ShardWriter:
                            "loss_tokens": int(sum(s.loss_mask[:ln]))})
             off += ln
         p.used = off
-        if aux.is_cuda:
-            p.event = torch.cuda.Event()
-            p.event.record()
 
     def flush(self) -> None:
         if self.cur.used == 0:
@@ -95,31 +108,49 @@ class ShardWriter:
         self._submit()
         self.cur = self.free.get()  # blocks while all buffers are being written: back-pressure
 
-    def _submit(self) -> None:
+    def _submit(self, pieces: int = 1) -> None:
+        """The current part to the writers; `pieces` > 1 splits it at sample boundaries into that many part
+        files of about equal size, written side by side (the last part, which nothing else overlaps)."""
         p = self.cur
-        name = f"{self.prefix}{self.part_no:04d}.safetensors"
-        self.part_no += 1
-        for r in p.rows:
-            r["part"] = name
-        self.index.extend(p.rows)
-        self.futures.append(self.pool.submit(self._write, p, name))
+        cuts, rows = [0], p.rows
+        if pieces > 1 and len(rows) > 1:
+            per = p.used / min(pieces, len(rows))
+            for k, r in enumerate(rows[1:], 1):
+                if r["offset"] >= per * len(cuts) and len(cuts) < pieces:
+                    cuts.append(k)
+        cuts.append(len(rows))
+        left = [len(cuts) - 1]
+        for a, b in zip(cuts, cuts[1:]):
+            name = f"{self.prefix}{self.part_no:04d}.safetensors"
+            self.part_no += 1
+            lo = rows[a]["offset"]
+            hi = rows[b - 1]["offset"] + rows[b - 1]["length"]
+            for r in rows[a:b]:
+                r["part"] = name
+                r["offset"] -= lo
+            self.index.extend(rows[a:b])
+            self.futures.append(self.pool.submit(self._write, p, name, lo, hi, left))
 
-    def _write(self, p: _Part, name: str) -> dict:
+    def _write(self, p: _Part, name: str, lo: int, hi: int, left: list) -> dict:
         try:
             if p.event is not None:
                 p.event.synchronize()
-            t = p.used
-            tensors = {"input_ids": p.ids[:t], "loss_mask": p.mask[:t], "aux": p.aux[:t], "final": p.final[:t]}
+            tensors = {"input_ids": p.ids[lo:hi], "loss_mask": p.mask[lo:hi], "aux": p.aux[lo:hi],
+                       "final": p.final[lo:hi]}
             if p.scales is not None:
-                tensors.update(aux_scale=p.scales[0][:t], final_scale=p.scales[1][:t])
+                tensors.update(aux_scale=p.scales[0][lo:hi], final_scale=p.scales[1][lo:hi])
             nbytes, digest = write_part(self.out_dir / name, tensors)
-            return {"name": name, "bytes": nbytes, "sha256": digest, "tokens": t}
+            return {"name": name, "bytes": nbytes, "sha256": digest, "tokens": hi - lo}
         finally:
-            if p.reused:
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if p.reused and last:
                 p.reset()
                 self.free.put(p)
 
     def close(self) -> None:
-        self.flush()
+        if self.cur.used:  # the last part is what the producer waits for: split among the writer threads
+            self._submit(pieces=self.io_threads)
         self.files = [f.result() for f in self.futures]  # re-raises a failed write
         self.pool.shutdown()
