@@ -13,6 +13,7 @@ import yaml
 
 from . import lineage
 from .assets.serving import CONSISTENCY, SPEEDUP, engine_partitions
+from .worker.engines import DEFAULT
 
 # A drop beyond these fractions of the previous result (same engine, same settings) is a regression.
 ACCEPTANCE_DROP = float(os.environ.get("EAGLE3_REGRESSION_ACCEPTANCE_DROP", "0.05"))
@@ -39,9 +40,10 @@ def _bench_run_config() -> dict:
 @dg.schedule(job=rebenchmark_job, cron_schedule=os.environ.get("EAGLE3_BENCH_CRON", "0 3 * * *"),
              default_status=dg.DefaultScheduleStatus.STOPPED)
 def nightly_rebenchmark(context: dg.ScheduleEvaluationContext):
-    """Each engine in EAGLE3_BENCH_ENGINES (default: vllm) re-measures the current drafter export."""
+    """Each engine in EAGLE3_BENCH_ENGINES (default: the reference engine, vllm) re-measures the current drafter
+    export."""
     day = context.scheduled_execution_time.strftime("%Y-%m-%d")
-    for engine in os.environ.get("EAGLE3_BENCH_ENGINES", "vllm").split(","):
+    for engine in os.environ.get("EAGLE3_BENCH_ENGINES", DEFAULT).split(","):
         yield dg.RunRequest(run_key=f"{engine.strip()}-{day}", partition_key=engine.strip(),
                             run_config=_bench_run_config())
 

@@ -10,6 +10,8 @@ import time
 import warnings
 from pathlib import Path
 
+from .worker.engines import DEFAULT, NAMES
+
 QUIET_LOGGERS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 
@@ -82,7 +84,7 @@ def materialize(args) -> int:
     if export is not None:  # the figure the recipe's time budget is about: data to a servable drafter
         print(f"==> from the start to a servable drafter (drafter_export): {export.timestamp - started:.0f} s",
               flush=True)
-    if not run("benchmark_serving", ["serving_benchmark"], "vllm", "serving_benchmark vllm"):
+    if not run("benchmark_serving", ["serving_benchmark"], DEFAULT, f"serving_benchmark {DEFAULT}"):
         return 1
     print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
           "`dagster dev -w workspace.yaml`", flush=True)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
     m.add_argument("--config", help="run config YAML: {ops: {<asset>: {config: {...}}}}, as in the UI launchpad")
     lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")
-    lin.add_argument("--engine", choices=["vllm", "sglang"])
+    lin.add_argument("--engine", choices=list(NAMES))
     lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")
     ns = ap.parse_args(argv)
     return materialize(ns) if ns.cmd == "materialize" else show_lineage(ns)

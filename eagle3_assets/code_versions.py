@@ -56,6 +56,11 @@ def _imports(root: Path, module: str) -> set[str]:
             # to every other)
             if len(subs) < len(node.names) or not subs:
                 out.add(base)
+    # the engine registry finds its engines by name at run time (worker/engines/__init__.py: `get`): a worker
+    # module that imports it may run any engine module (the stage contracts import it for the names only)
+    engines = f"{PACKAGE}.worker.engines"
+    if engines in out and module.startswith(f"{PACKAGE}.worker."):
+        out.update(f"{engines}.{p.stem}" for p in (root / "worker" / "engines").glob("*.py") if p.name != "__init__.py")
     # this module only names versions: a change to it changes what they are computed from, not what runs
     return {m for m in out if m != __name__ and _path(root, m) is not None}
 

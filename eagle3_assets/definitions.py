@@ -62,7 +62,7 @@ train_drafter_job = dg.define_asset_job(
 
 benchmark_serving_job = dg.define_asset_job(
     "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions,
-    description="the exported drafter on a real engine (partition vllm or sglang) against the same server without "
+    description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
 defs = dg.Definitions(

@@ -1,13 +1,19 @@
 """The engines' contracts where a real engine cannot run here. SGLang cannot run on these machines: its
 command line is checked against the flags of the SGLang release we support, and its accept-length parsing
-against its documented output. vLLM's metric parsing is also exercised for real in test_vllm.py."""
+against its documented output. vLLM's metric parsing is also exercised for real in test_vllm.py. And the
+registry (worker/engines/__init__.py): every engine implements one interface, and a third engine is one file."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
+
+from eagle3_assets.worker import engines
 from eagle3_assets.worker.engines import sglang, vllm
 
 # SGLang's launch_server flags for the fields we set, as ServerArgs declares them
@@ -77,7 +83,7 @@ def test_vllm_acceptance_from_two_metrics_scrapes():
                   for i, v in enumerate(per_pos)]
         return "\n".join(lines) + "\n"
 
-    got = vllm.acceptance(scrape(10, 30, 12, [8, 3, 1]), scrape(110, 330, 162, [88, 53, 21]), k=3)
+    got = vllm.acceptance_between(scrape(10, 30, 12, [8, 3, 1]), scrape(110, 330, 162, [88, 53, 21]), k=3)
     assert got["num_drafts"] == 100 and got["num_accepted_tokens"] == 150
     assert got["acceptance_length"] == 2.5  # 1 + accepted/drafts, the bonus token included
     assert got["acceptance_rate"] == 0.5
@@ -107,9 +113,6 @@ def test_sglang_missing_on_the_host_is_a_clear_error_in_seconds(built, tmp_path)
 
 # ---- SGLang's hidden-state capture (worker/sglang_capture.py) against the source of the release it targets ----
 import ast  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 SGLANG_SRC = Path(__file__).resolve().parents[1] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
 needs_sglang_src = pytest.mark.skipif(not SGLANG_SRC.exists() and os.environ.get("CI") != "true",
@@ -205,3 +208,172 @@ def test_sglang_capture_layer_translation():
     # SGLang captures a layer's input (ours + 1); the last layer's output is the final state
     assert sglang.capture_layers([1, 29, 57], 61) == ([2, 30, 58], [0, 1, 2], 3)
     assert sglang.capture_layers([1, 14, 29], 30) == ([2, 15], [0, 1, 2], 2)
+
+
+
+# ---- the registry: one interface, the names read from the modules, a third engine in one file ----
+
+def test_every_engine_implements_the_interface_and_a_miss_names_the_engines():
+    assert engines.NAMES == ("vllm", "sglang")  # the reference engine first, then by name
+    for name in engines.NAMES:
+        e = engines.get(name)
+        assert e.NAME == name and not [n for n in engines.INTERFACE if not hasattr(e, n)]
+    with pytest.raises(ValueError, match="unknown engine 'tgi': the engines are vllm, sglang"):
+        engines.get("tgi")
+
+
+class _Server:
+    """An EngineServer's `get` over canned answers, one list per route, popped in order."""
+
+    def __init__(self, answers: dict[str, list]):
+        self.answers = answers
+
+    def get(self, route: str):
+        body = self.answers[route].pop(0)
+        return 200, (body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+def test_acceptance_as_each_engine_counts_it_through_one_protocol():
+    line = 'vllm:spec_decode_{}_total{{engine="0"}} {}\n'
+    scrape = lambda d, t, a: "".join(line.format(n, v) for n, v in  # noqa: E731
+                                     [("num_drafts", d), ("num_draft_tokens", t), ("num_accepted_tokens", a)]).encode()
+    server = _Server({"/metrics": [scrape(10, 30, 12), scrape(110, 330, 162)]})
+    before = vllm.measure_start(server)
+    got = vllm.acceptance(server, before, 3)
+    assert got["acceptance_length"] == 2.5 and got["acceptance_rate"] == 0.5
+    server = _Server({sglang.SERVER_INFO: [{"internal_states": [{"avg_spec_accept_length": 2.5}]}]})
+    assert sglang.acceptance(server, sglang.measure_start(server), 3) == {"acceptance_length": 2.5,
+                                                                         "acceptance_rate": 0.5}
+    # counters read before and after on one server; a cumulative accept length needs a fresh server each
+    assert vllm.server_plan([1, 8]) == [[1, 8]] and sglang.server_plan([1, 8]) == [[1], [8]]
+    assert vllm.WARM_UP and not sglang.WARM_UP  # a warm-up would count in SGLang's accept length
+
+
+def test_each_dialect_writes_and_reads_back_its_layer_ids_and_sglang_refuses_what_it_would_misserve(tmp_path):
+    from eagle3_assets.worker.errors import StageError
+
+    ours = [2, 10, 20]
+    v, s = vllm.export_fields(ours, "llama"), sglang.export_fields(ours, "llama")
+    assert v == {"eagle_aux_hidden_state_layer_ids": [3, 11, 21]}  # capture-before
+    assert s["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ours  # output of layer i
+    assert vllm.exported_layers(v, "llama") == sglang.exported_layers(s, "llama") == ours
+    assert vllm.exported_layers({}, "llama") is None is sglang.exported_layers({}, "llama")
+    with pytest.raises(StageError, match="first id"):
+        sglang.export_fields(ours, "kimi_k2")
+    assert sglang.id_rule([2, 30, 58], "kimi_k2")[0] == -1 and sglang.id_rule([1, 29, 57], "kimi_k2") is None
+    vllm.check_export(tmp_path, {"num_hidden_layers": 2})
+    with pytest.raises(StageError, match="residual"):
+        sglang.check_export(tmp_path, {"num_hidden_layers": 2})
+    with pytest.raises(StageError, match="midlayer"):
+        sglang.check_tensors(tmp_path, ["layers.0.self_attn.q_proj.weight"])
+
+
+# A third engine: only this file, added to worker/engines/. Nothing else in the package names it.
+THIRD = '''
+"""A third engine, for the registry's test: the interface with nothing behind it."""
+from . import support_probe
+
+NAME = "fake"
+TITLE = "Fake"
+INSTALL = "pip install fake-engine"
+HEALTH = "/health"
+SERVER_ENV = {"FAKE_ENGINE": "1"}
+WARM_UP = True
+LAYER_IDS_FIELD = "fake_layer_ids"
+SUPPORT_PROBE = support_probe("fake", "")
+EXTRACT_PROBE = support_probe("fake", "")
+
+
+def server_command(python, target, port, *, drafter, k, dtype, max_model_len, seed, extra):
+    return [python, "-m", "fake.serve", target, "--port", str(port)] + (["--draft", drafter] if drafter else []) + extra
+
+
+def server_plan(concurrencies):
+    return [list(concurrencies)]
+
+
+def measure_start(server):
+    return None
+
+
+def acceptance(server, before, k):
+    return {"acceptance_length": None, "acceptance_rate": None}
+
+
+def export_fields(aux, model_type):
+    return {LAYER_IDS_FIELD: [i + 100 for i in aux]}
+
+
+def exported_layers(cfg, model_type):
+    return [i - 100 for i in cfg[LAYER_IDS_FIELD]] if LAYER_IDS_FIELD in cfg else None
+
+
+def id_rule(ids, model_type):
+    return None
+
+
+def check_export(src, cfg):
+    pass
+
+
+def check_tensors(d, names):
+    pass
+
+
+def capture_layers(aux, num_layers):
+    return sorted(aux), [sorted(aux).index(i) for i in aux], len(aux)
+
+
+def extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what):
+    raise NotImplementedError
+'''
+
+LISTS_IT = """
+import sys, typing
+import eagle3_assets
+assert eagle3_assets.__file__.startswith(sys.argv[1]), eagle3_assets.__file__
+from eagle3_assets.worker import engines
+assert engines.NAMES == ("vllm", "fake", "sglang"), engines.NAMES
+assert engines.get("fake").NAME == "fake"
+from eagle3_assets import stages
+from eagle3_assets.stages.extract import ExtractSettings
+from eagle3_assets.stages.generate import GenerateSettings
+from eagle3_assets.stages.export import ExportSettings
+assert "fake" in typing.get_args(ExtractSettings.model_fields["backend"].annotation)
+assert "fake" in typing.get_args(GenerateSettings.model_fields["backend"].annotation)
+assert ExportSettings().dialects == ["vllm", "fake", "sglang"]
+assert "vllm, fake, sglang" in ExportSettings.model_fields["dialects"].description
+try:
+    ExportSettings(dialects=["tgi"])
+    raise AssertionError("an unknown dialect was accepted")
+except ValueError as e:
+    assert "'fake'" in str(e), e
+assert stages.validate("serve_bench", {"engine": "fake", "target": "t", "drafter": "d", "prompts": "p",
+                                       "history": "h", "out_dir": "o"})["engine"] == "fake"
+assert stages.validate("engine_check", {"engine": "fake", "target": "t"})["engine"] == "fake"
+try:
+    stages.validate("engine_check", {"engine": "tgi", "target": "t"})
+    raise AssertionError("an unknown engine was accepted")
+except stages.ArgsError as e:
+    assert "'fake'" in str(e), e
+from eagle3_assets.assets.serving import engine_partitions
+assert engine_partitions.get_partition_keys() == ["vllm", "fake", "sglang"]
+from eagle3_assets.worker import export, generate
+assert "fake" in generate.BACKENDS
+assert export.layer_fields("fake", [2, 10, 20], 30) == {"fake_layer_ids": [102, 110, 120]}
+assert export.engine_capture_layers("fake", {"fake_layer_ids": [102, 110, 120]}, 30) == [2, 10, 20]
+print("listed")
+"""
+
+
+def test_a_third_engine_is_one_file(tmp_path):
+    """A copy of the package plus worker/engines/fake.py and nothing else: the registry, the stage contracts
+    (generate and extract backends, serve_bench's and engine_check's engine, export's dialects), the serving
+    partitions and the worker's dispatch all list it."""
+    shutil.copytree(Path(engines.__file__).parents[2], tmp_path / "eagle3_assets",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "eagle3_assets" / "worker" / "engines" / "fake.py").write_text(THIRD)
+    done = subprocess.run([sys.executable, "-c", LISTS_IT, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path),
+                                                       "PYTHONDONTWRITEBYTECODE": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("listed"), done.stdout + done.stderr

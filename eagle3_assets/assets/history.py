@@ -11,6 +11,7 @@ from pydantic import Field
 from .. import lineage
 from ..code_versions import code_version
 from ..worker import charts
+from ..worker.engines import NAMES
 
 
 def history_path(instance: dg.DagsterInstance) -> Path:
@@ -61,7 +62,7 @@ def benchmark_history(context: dg.AssetExecutionContext) -> dg.MaterializeResult
     tmp.replace(path)
     meta = {"path": dg.MetadataValue.path(str(path)), "results": len(rows), "table": dg.MetadataValue.md(_table_md(rows)),
             "acceptance_history_chart": dg.MetadataValue.md(_history_chart(rows))}
-    for engine in ("vllm", "sglang"):  # the latest per engine, named so that Dagster plots them over time
+    for engine in NAMES:  # the latest per engine, named so that Dagster plots them over time
         latest = [r for r in rows if r["engine"] == engine]
         if latest and latest[-1]["acceptance_length"] is not None:
             meta[f"acceptance_length_{engine}"] = float(latest[-1]["acceptance_length"])

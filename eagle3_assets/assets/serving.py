@@ -7,10 +7,11 @@ from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..stages.serve_bench import ServeBenchSettings
 from ..worker import charts
+from ..worker.engines import NAMES
 from .prompts import PROMPT_SETS
 from .upstream import upstream_metadata
 
-engine_partitions = dg.StaticPartitionsDefinition(["vllm", "sglang"])
+engine_partitions = dg.StaticPartitionsDefinition(list(NAMES))  # one per module of worker/engines/
 HISTORY = "benchmarks/serving_history.parquet"
 CONSISTENCY = "acceptance_matches_offline"
 SPEEDUP = "speedup_above_1"
@@ -45,7 +46,7 @@ def _exported_checkpoint(context) -> str:
     return ev.asset_materialization.tags.get("dagster/input_data_version/eagle3_drafter", "unknown")
 
 
-@dg.asset(group_name="serving", kinds={"vllm", "sglang"}, partitions_def=engine_partitions, pool="gpu_host",
+@dg.asset(group_name="serving", kinds=set(NAMES), partitions_def=engine_partitions, pool="gpu_host",
           deps=["drafter_export", "target_model", "prompts"], code_version=code_version(__name__, "serving_benchmark"),
           check_specs=[dg.AssetCheckSpec(CONSISTENCY, asset="serving_benchmark", additional_deps=["offline_acceptance"],
                                          description="engine acceptance length vs our offline reference for the same "
@@ -53,7 +54,7 @@ def _exported_checkpoint(context) -> str:
                        dg.AssetCheckSpec(SPEEDUP, asset="serving_benchmark",
                                          description="speculation makes serving faster than the same server without it")])
 def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmarkConfig, gpu_host: GpuHost):
-    """The exported drafter served by a real engine (partition: vllm or sglang) on the host, against the
+    """The exported drafter served by a real engine (partition: vllm, sglang, ...) on the host, against the
     same server without speculation: acceptance as the engine counts it, throughput, TTFT, TPOT and speedup
     at each concurrency; one row per measurement in a Parquet history on the host."""
     engine = context.partition_key

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Args, Result, Settings
+from .engine_check import NAMES
 
 
 class ExportSettings(Settings):
-    dialects: list[str] = Field(default=["vllm", "sglang"], min_length=1, description="serving engines to export for")
+    # list[str], checked against the engine names: Dagster's config has no list of a Literal
+    dialects: list[str] = Field(default=list(NAMES), min_length=1, description="serving engines to export for: "
+                                + ", ".join(NAMES))
+
+    @field_validator("dialects")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        unknown = [d for d in v if d not in NAMES]
+        if unknown:
+            raise ValueError(f"unknown dialects {unknown}: the engines are {list(NAMES)}")
+        return v
 
 
 class ExportArgs(Args, ExportSettings):

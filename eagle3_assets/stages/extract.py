@@ -7,10 +7,11 @@ from typing import Literal
 from pydantic import Field
 
 from .base import DTYPE_HELP, Args, Settings
+from .engine_check import NAMES
 
 
 class ExtractSettings(Settings):
-    backend: Literal["hf", "vllm", "sglang"] = Field(
+    backend: Literal[("hf", *NAMES)] = Field(
         default="hf", description="hf: a transformers forward in the worker, the whole target on one device (targets "
                                   "one GPU holds); vllm: the target served by vLLM on the host with tensor/data "
                                   "parallelism and our KV connector writing the shard (targets no single GPU holds); "

@@ -7,10 +7,11 @@ from typing import Literal
 from pydantic import Field
 
 from .base import DTYPE_HELP, Args, Result, Settings
+from .engine_check import NAMES
 
 
 class GenerateSettings(Settings):
-    backend: Literal["hf", "vllm", "sglang"] = Field(
+    backend: Literal[("hf", *NAMES)] = Field(
         default="hf", description="hf: batched generate in the worker; vllm / sglang: the target served on the host "
                                   "(same launch as serving_benchmark), batch_size requests in flight")
     engine_python: str | None = Field(default=None, description="server backends: the host Python with the engine")

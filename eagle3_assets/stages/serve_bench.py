@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import Field
 
 from .base import DTYPE_HELP, Args, Result, Settings
+from .engine_check import DEFAULT, EngineName
 from .speculate import EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS
 
 
@@ -28,7 +29,7 @@ class ServeBenchSettings(Settings):
 
 
 class ServeBenchArgs(Args, ServeBenchSettings):
-    engine: str = Field(description="the serving engine")
+    engine: EngineName = Field(default=DEFAULT, description="the serving engine (serving_benchmark: its partition)")
     target: str = Field(description="the target model directory")
     drafter: str = Field(description="the exported drafter, in the engine's dialect")
     trained_drafter: str | None = Field(default=None, description="the canonical checkpoint it was exported from "

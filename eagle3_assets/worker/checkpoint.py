@@ -181,7 +181,7 @@ class AuxIds:
 def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
     """The aux layer ids a checkpoint was trained on, where its config keeps them and in whose convention
     (`model_type`: the target's text model, whose SGLang class may read eagle_config's ids its own way)."""
-    from .engines import sglang
+    from . import engines
 
     found = []
     for field, convention, offset in _ID_FIELDS:
@@ -189,16 +189,24 @@ def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
         for key in field.split("."):
             v = v.get(key) if isinstance(v, dict) else None
         if v:
-            if field.startswith("eagle_config") and sglang.captured_layers(v, model_type) != list(v):
-                convention, offset = f"SGLang's {model_type} rule: a list not starting at 1 is capture-before", -1
+            for engine in engines.reading(field):  # an engine's dialect: read as that engine reads it
+                if (rule := engine.id_rule([int(i) for i in v], model_type)) is not None:
+                    offset, convention = rule
             found.append(AuxIds([int(i) + offset for i in v], field, [int(i) for i in v], convention, offset))
     if not found:
         return AuxIds(default_aux_layers(target_layers))
     if found[0].field.startswith("eagle_config") and len(found) > 1 and found[1].ours != found[0].ours:
         raise StageError(f"the drafter config names two different aux layer sets: {found[0].field} {found[0].written} "
                          f"({found[0].convention}) and {found[1].field} {found[1].written} ({found[1].convention}); "
-                         "SGLang reads the first, vLLM the second: keep the one it was trained on")
+                         f"{_readers(found[0].field)} reads the first, {_readers(found[1].field)} the second: keep the "
+                         "one it was trained on")
     return found[0]
+
+
+def _readers(field: str) -> str:
+    from . import engines
+
+    return "/".join(e.TITLE for e in engines.reading(field)) or "another reader"
 
 
 def aux_ids_from_config(cfg: dict, target_layers: int, model_type: str = "") -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from . import engines
 from .errors import StageError
 from .files import resolve
 
@@ -13,14 +14,13 @@ PURPOSES = {"serve": "serve EAGLE-3", "extract": "extract hidden states"}
 
 
 def run(workdir: str, args: dict, reporter) -> None:
-    from .serve_bench import ENGINES, check_support
+    from .engines.server import check_support
 
-    engine = ENGINES.get(args["engine"])
+    engine = engines.get(args["engine"])
     purpose = args["purpose"]
-    if engine is None or purpose not in PURPOSES:
-        raise StageError(f"engine must be one of {sorted(ENGINES)} and purpose one of {sorted(PURPOSES)}; got "
-                         f"{args.get('engine')!r}, {purpose!r}")
-    probe = engine.SUPPORT_PROBE if purpose == "serve" else engine.EXTRACT_PROBE
+    if purpose not in PURPOSES:
+        raise StageError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
+    probe = {"serve": engine.SUPPORT_PROBE, "extract": engine.EXTRACT_PROBE}[purpose]
     info = check_support(engine, args["engine_python"] or sys.executable, resolve(workdir, args["target"]),
                          probe=probe, purpose=PURPOSES[purpose])
     reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "

@@ -34,7 +34,7 @@ class EngineRun:
 def engine_run(engine, target: Path, aux_layers: list[int], num_layers: int, args: dict) -> EngineRun:
     """Ask the engine (a StageError naming what is missing), translate the layer ids, and the environment
     that lets its processes import our code, wherever the worker code was uploaded."""
-    from .serve_bench import check_support
+    from .engines.server import check_support
 
     python = args["engine_python"] or sys.executable
     info = check_support(engine, python, target, probe=engine.EXTRACT_PROBE, purpose="extract hidden states")

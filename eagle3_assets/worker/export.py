@@ -1,8 +1,10 @@
-"""Stage `export`: the drafter in the directory layouts vLLM and SGLang load as they stand, each
-validated against its contract before it is published.
+"""Stage `export`: the drafter in the directory layout each engine (worker/engines/) loads as it stands, one
+dialect per engine, each validated against its contract before it is published.
 
-Aux layer ids: a drafter trained on the default layers gets no ids in its config (both engines then capture
-exactly those layers); otherwise each dialect gets them in its engine's convention."""
+Aux layer ids: a drafter trained on the default layers gets no ids in its config (the engines then capture
+exactly those layers); otherwise each dialect gets them in its engine's convention (`export_fields`), read
+back as the engine reads them (`exported_layers`); each engine refuses what it would serve as another
+function than the one trained (`check_export`, `check_tensors`)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,13 @@ from pathlib import Path
 
 import torch
 
+from . import engines
 from .checkpoint import ARCH, aux_ids_from_config, config_dict, load_drafter_dir, weights_hash
-from .engines import sglang, vllm
 from .errors import StageError
 from .files import replace_dir, require_file, resolve
 from .shard_format import default_aux_layers
 from .target import load_config, text_config
 
-DIALECTS = ("vllm", "sglang")
 # speculators-era flags that the plain EAGLE-3 layer of these engines does not implement
 _FOREIGN_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")
 
@@ -27,22 +28,14 @@ def layer_fields(dialect: str, aux: list[int], num_layers: int, model_type: str 
     """The config fields that make the engine capture `aux` (ours); none for the default layers."""
     if aux == default_aux_layers(num_layers):
         return {}
-    if dialect == "vllm":
-        return {"eagle_aux_hidden_state_layer_ids": vllm.to_vllm_ids(aux)}
-    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang.export_layer_ids(aux, model_type),
-                             "use_aux_hidden_state": True}}
+    return engines.get(dialect).export_fields(aux, model_type)
 
 
 def engine_capture_layers(dialect: str, cfg: dict, num_layers: int, model_type: str = "") -> list[int]:
     """Which target layers (our convention) the engine will capture for this config: what it reads, as it
-    reads it (vLLM: top-level ids, else eagle_config's, capture-before; SGLang: eagle_config's, per its
-    model class's rule; none: the default)."""
-    if dialect == "vllm":
-        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
-        return vllm.from_vllm_ids(ids) if ids else default_aux_layers(num_layers)
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return sglang.captured_layers(ids, model_type) if ids else default_aux_layers(num_layers)
+    reads it (the engine's `exported_layers`; none named: the default)."""
+    ours = engines.get(dialect).exported_layers(cfg, model_type)
+    return ours if ours is not None else default_aux_layers(num_layers)
 
 
 def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
@@ -74,8 +67,7 @@ def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:
         tensors.update(load_file(str(f)))
     if any("embed_tokens" in k for k in tensors):
         raise StageError(f"{d}: holds embed_tokens; the engines share the target's embeddings, drop it")
-    if dialect == "sglang" and any(not k.startswith(("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")) for k in tensors):
-        raise StageError(f"{d}: SGLang loads `midlayer.*`-style names only; other names are dropped silently")
+    engines.get(dialect).check_tensors(d, sorted(tensors))
     load_drafter_dir(d, tc)  # the tensor contract: names, shapes, dtypes
     return {"tensors": len(tensors), "captured_layers": captured, "config_keys": sorted(cfg)}
 
@@ -103,21 +95,15 @@ def run(workdir: str, args: dict, reporter) -> None:
     src = resolve(workdir, args["drafter"])
     out = resolve(workdir, args["out"])
     tc = text_config(load_config(resolve(workdir, args["target"])))
-    dialects = args["dialects"] or list(DIALECTS)
-    unknown = [x for x in dialects if x not in DIALECTS]
+    dialects = args["dialects"] or list(engines.NAMES)
+    unknown = [x for x in dialects if x not in engines.NAMES]
     if unknown:
-        raise StageError(f"unknown export dialects {unknown}; choose from {list(DIALECTS)}")
+        raise StageError(f"unknown export dialects {unknown}; choose from {list(engines.NAMES)}")
     src_cfg = json.loads(require_file(src / "config.json", "drafter config", "train the drafter first").read_text())
-    layers = int(src_cfg.get("num_hidden_layers") or 1)
-    if "sglang" in dialects:  # refusals checked before any dialect is written
-        layer_fields("sglang", aux_ids_from_config(src_cfg, tc.num_hidden_layers, tc.model_type), tc.num_hidden_layers,
-                     tc.model_type)
-    if "sglang" in dialects and layers > 1:
-        # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
-        # residual it is passed, so layers after the first compute another function than the one trained
-        raise StageError(f"{src} has {layers} draft layers; SGLang's later EAGLE-3 layers drop the residual "
-                         "stream and would compute another function than the one trained. Export it for vllm "
-                         "only (dialects: [vllm]), or train with num_layers 1 to serve on SGLang")
+    aux = aux_ids_from_config(src_cfg, tc.num_hidden_layers, tc.model_type)
+    for dialect in dialects:  # refusals checked before any dialect is written
+        layer_fields(dialect, aux, tc.num_hidden_layers, tc.model_type)
+        engines.get(dialect).check_export(src, src_cfg)
     meta = {}
     for dialect in dialects:
         info = write_export(src, out / dialect, dialect, tc)

@@ -159,15 +159,13 @@ def load_samples(conversations: Path, shard: int, samples_per_shard: int, max_le
     return samples, truncated
 
 
-BACKENDS = ("hf", "vllm", "sglang")
-
-
 def run(workdir: str, args: dict, reporter) -> None:
+    from . import engines
     from .target import load_config, load_model, pick_device, text_config
 
     backend = args["backend"]
-    if backend not in BACKENDS:
-        raise StageError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend != "hf" and backend not in engines.NAMES:  # hf, or an engine of worker/engines/
+        raise StageError(f"backend must be one of {['hf', *engines.NAMES]}, got {backend!r}")
     shard = int(args["shard"])
     conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
                                  "materialize the conversations asset first")
@@ -217,11 +215,7 @@ def run(workdir: str, args: dict, reporter) -> None:
             engine = {"engine": "transformers", "engine_version": _version("transformers"),
                       "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
         else:
-            if backend == "vllm":
-                from .extract_vllm import extract
-            else:
-                from .extract_sglang import extract
-
+            extract = engines.get(backend).extract
             reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
                          f"({LAYER_CONVENTION}) + final pre-norm, through {backend}")
             files, index, engine = extract(target, samples, tmp, aux_layers, num_layers,

