@@ -74,6 +74,26 @@ def last_json(stdout: str) -> dict:
     raise AssertionError(f"no JSON result in the worker's output:\n{stdout[-2000:]}")
 
 
+def hidden_states(part: dict) -> dict:
+    """A shard part's tensors with `aux` and `final` in float32, whichever format wrote them (v2: fp8 with
+    per-token scales, dequantized), and each one's fp8 step per element (0 for v1) for the tolerances."""
+    import torch
+
+    from eagle3_assets.worker.shard_format import dequantize_fp8
+
+    out = dict(part)
+    for k in ("aux", "final"):
+        if f"{k}_scale" in part:
+            scale = part[f"{k}_scale"].float()
+            out[k] = dequantize_fp8(part[k], scale)
+            # e4m3: 3 mantissa bits, so half a step is 1/16 of the value; subnormals step 2^-9 of the scale
+            out[f"{k}_step"] = out[k].abs() / 16 + scale.repeat_interleave(part[k].shape[-1] // scale.shape[-1], -1) / 512
+        else:
+            out[k] = part[k].float()
+            out[f"{k}_step"] = torch.zeros_like(out[k])
+    return out
+
+
 def failure_text(result) -> str:
     """Everything a user sees about a failed step: the failure's message and description."""
     parts = []

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import hidden_states
 from eagle3_assets.worker.files import hash_files
 from eagle3_assets.worker.shard_format import default_aux_layers
 
@@ -116,7 +117,7 @@ def test_shard_tensors_equal_a_direct_recomputation(built, target):
     index = pq.read_table(shard / "index.parquet").to_pylist()
     conv = pq.read_table(built.workdir / "conversations/conversations.parquet").to_pylist()
     for row in index:
-        part = load_file(str(shard / row["part"]))
+        part = hidden_states(load_file(str(shard / row["part"])))
         sl = slice(row["offset"], row["offset"] + row["length"])
         ids = conv[row["row"]]["input_ids"]
         assert part["input_ids"][sl].tolist() == ids
@@ -124,10 +125,13 @@ def test_shard_tensors_equal_a_direct_recomputation(built, target):
         with torch.no_grad():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
         expect_aux = torch.cat([hs[i + 1][0] for i in aux_ids], dim=-1)  # output of layer i
-        torch.testing.assert_close(part["aux"][sl], expect_aux, rtol=1e-4, atol=1e-4)
+        # equal to float32 noise, or (format v2, the default) to within half an fp8 step of each value
+        assert ((part["aux"][sl] - expect_aux).abs() <= part["aux_step"][sl] * 1.01 + 1e-4).all()
         # `final` is pre-norm: the model's own final norm turns it into HF's last hidden state
         with torch.no_grad():
-            torch.testing.assert_close(model.model.norm(part["final"][sl]), hs[-1][0], rtol=1e-4, atol=1e-4)
+            normed = model.model.norm(part["final"][sl])
+        cos = torch.nn.functional.cosine_similarity(normed, hs[-1][0], dim=-1)
+        assert cos.min() >= (0.999 if manifest["storage"] == "fp8" else 0.99999), cos.min()
 
 
 def test_shard_manifest_checksums_and_metadata(built):

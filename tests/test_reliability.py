@@ -156,7 +156,10 @@ def _inf_in_aux(work: Path) -> Path:
     m = _manifest(work)
     part = work / SHARD / m["files"][0]["name"]
     t = load_file(str(part))
-    t["aux"][5, 7] = float("inf")
+    if "aux_scale" in t:  # format v2 (the default): fp8 has no inf (it saturates at 448); the scale can be
+        t["aux_scale"][5, 1] = float("inf")
+    else:
+        t["aux"][5, 7] = float("inf")
     save_file(t, str(part))
     m["files"][0].update(bytes=part.stat().st_size, sha256=sha256_file(part))
     (work / SHARD / "manifest.json").write_text(json.dumps(m))

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import ssh_jobs
-from conftest import failure_text
+from conftest import failure_text, hidden_states
 from eagle3_assets.assets.vocab import vocab_mapping
 from eagle3_assets.hosts import GpuHost, LocalGpuHost
 from eagle3_assets.hosts.preflight import local_files, local_fingerprint
@@ -402,7 +402,7 @@ def test_a_url_whose_fsspec_backend_is_missing_names_the_package(graph):
 def _samples(shard: Path) -> dict[str, dict[str, torch.Tensor]]:
     parts, out = {}, {}
     for row in pq.read_table(shard / "index.parquet").to_pylist():
-        t = parts.setdefault(row["part"], load_file(str(shard / row["part"])))
+        t = parts.setdefault(row["part"], hidden_states(load_file(str(shard / row["part"]))))
         out[row["id"]] = {k: v[row["offset"]: row["offset"] + row["length"]] for k, v in t.items()}
     return out
 
@@ -420,5 +420,6 @@ def test_a_sample_longer_than_a_part_buffer_gets_a_part_of_its_own(built, tmp_pa
     for sid, t in ref.items():
         assert torch.equal(small[sid]["input_ids"], t["input_ids"]) and torch.equal(small[sid]["loss_mask"], t["loss_mask"])
         for k in ("aux", "final"):
-            # other batch shapes, other float32 rounding: equal to within float32 noise
-            torch.testing.assert_close(small[sid][k], t[k], atol=1e-3, rtol=1e-3)
+            # other batch shapes, other float32 rounding: equal to within float32 noise (and, in fp8, the step
+            # that noise can flip a value to)
+            assert ((small[sid][k] - t[k]).abs() <= 2.02 * t[f"{k}_step"] + 1e-3 + 1e-3 * t[k].abs()).all(), k

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import Graph, last_json
+from conftest import Graph, hidden_states, last_json
 from tiny_targets import KIMI_VOCAB, save_kimi_k25_like
 
 TRAIN = {"epochs": 2, "lr": 3e-3, "ttt_steps": 2, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0,
@@ -111,8 +111,9 @@ def test_shards_hold_the_text_models_hidden_states(pipeline, kimi):
         aux_ids = manifest["aux_layer_ids"]
         assert aux_ids == default_aux_layers(tc.num_hidden_layers) and len(set(aux_ids)) == 3
         assert manifest["layer_convention"] == "output_of_layer"
+        least = 0.999 if manifest["storage"] == "fp8" else 0.9999  # fp8: ~1/16 relative per value, at most
         for row in pq.read_table(shard / "index.parquet").to_pylist():
-            part = load_file(str(shard / row["part"]))
+            part = hidden_states(load_file(str(shard / row["part"])))  # fp8 (v2, the default) dequantized
             sl = slice(row["offset"], row["offset"] + row["length"])
             ids = conv[row["row"]]["input_ids"]
             assert part["input_ids"][sl].tolist() == ids
@@ -122,11 +123,11 @@ def test_shards_hold_the_text_models_hidden_states(pipeline, kimi):
             got = part["aux"][sl].view(len(ids), 3, tc.hidden_size)
             for j, i in enumerate(aux_ids):  # output of layer i = HF hidden_states[i + 1]
                 cos = torch.nn.functional.cosine_similarity(got[:, j], hs[i + 1][0], dim=-1)
-                assert cos.min() >= 0.9999, (i, cos.min())
+                assert cos.min() >= least, (i, cos.min())
             # `final` is pre-norm: the text model's own final norm turns it into HF's last hidden state
             with torch.no_grad():
                 normed = ref.model.language_model.norm(part["final"][sl])
-            assert torch.nn.functional.cosine_similarity(normed, hs[-1][0], dim=-1).min() >= 0.9999
+            assert torch.nn.functional.cosine_similarity(normed, hs[-1][0], dim=-1).min() >= least
             seen += 1
     assert seen == 6
     # the layers differ from each other: the comparison above could tell a wrong layer
