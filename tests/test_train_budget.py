@@ -25,6 +25,12 @@ def test_a_budget_cuts_the_run_and_finishes_its_schedule(built, work):
     said = re.search(r"time budget 2 s: (\d+) of (\d+) steps", run.stderr)
     assert said, run.stderr[-3000:]
     planned, requested = int(said[1]), int(said[2])
+    # a machine that got busier after the calibration cuts again at an epoch's end (never adds steps)
+    recut = re.findall(r"time budget 2 s: the last epoch ran slower than the calibration; (\d+) steps now fit",
+                       run.stderr)
+    if recut:
+        assert int(recut[-1].replace(",", "")) <= planned
+        planned = int(recut[-1].replace(",", ""))
     assert meta["steps"] == planned < requested
     state = _last_checkpoint(work / "drafter/budget")
     lr, peak = state["scheduler"]["_last_lr"][0], state["scheduler"]["base_lrs"][0]
@@ -42,3 +48,17 @@ def test_a_budget_that_fits_every_epoch_changes_nothing(built, work):
     a = json.loads(plain.stdout.strip().splitlines()[-1])
     b = json.loads(budgeted.stdout.strip().splitlines()[-1])
     assert b["steps"] == a["steps"] and b["loss"] == a["loss"], (a, b)
+
+
+def test_an_epoch_that_ran_slower_than_the_calibration_cuts_the_later_epochs():
+    """The budget is rechecked at each epoch's end at that epoch's pace: a machine that got busier after the
+    first steps were timed still ends near its budget, and one on pace keeps its plan."""
+    from eagle3_assets.worker.distributed import Group
+    from eagle3_assets.worker.train_schedule import recheck_budget
+
+    group = Group("cpu")
+    # 100 s budget, 40 s gone at step 100 of 300 planned: 0.2 s/step fits (200 steps, 40 s), 0.6 s/step does not
+    assert recheck_budget(now=40.0, t0=0.0, budget=100.0, step=100, total=300, per_step=0.2, group=group) is None
+    cut = recheck_budget(now=40.0, t0=0.0, budget=100.0, step=100, total=300, per_step=0.6, group=group)
+    assert cut == 100 + int(0.97 * 60 / 0.6)
+    assert recheck_budget(now=120.0, t0=0.0, budget=100.0, step=100, total=300, per_step=0.6, group=group) == 100

@@ -46,7 +46,7 @@ from .tracker import open_tracker
 from .train_data import ShardSet, batch_tokens, plan_batches
 from .train_eval import autocast, bf16_compute, evaluate, host_batch, simulated_acceptance_length, target_labels
 from .train_resume import fingerprint, resumable_state
-from .train_schedule import CALIBRATION_STEPS, lr_lambda, plan_budget, replan
+from .train_schedule import CALIBRATION_STEPS, lr_lambda, plan_budget, recheck_budget, replan
 from .ttt_loss import compile_on, draft_index, gpu_path, ttt_loss
 
 PACK_WINDOW = 8  # GPU path: open rows a sample may go into (first fit), for fuller fixed-shape rows
@@ -358,6 +358,29 @@ class Trainer:
                               "fit; the learning-rate schedule is planned for those",
                               "warning" if self.planned < self.steps_per_epoch else "info")
 
+    def _recheck_budget(self, prog) -> None:
+        """At an epoch's end: if the machine got slower since the calibration, cut the later epochs to what
+        still fits (before the epoch's checkpoint, which records the plan a resume keeps)."""
+        if not self.hp["time_budget_s"] or self.planned is None or self.resumed_from:
+            return
+        _sync(self.device)
+        now = time.monotonic()
+        last_t, last_step = getattr(self, "_pace_mark", (self.t_first, self.resumed_from + 1))
+        self._pace_mark = (now, self.step)
+        if self.step <= last_step:
+            return
+        fit = recheck_budget(now, self.t0, float(self.hp["time_budget_s"]), self.step, self.total_steps,
+                             (now - last_t) / (self.step - last_step), self.group)
+        if fit is None:
+            return
+        self.planned = self.total_steps = replan(self.steps_of, self.sched, max(fit, self.step),
+                                                 float(self.hp["warmup_ratio"]))
+        prog.set_total(self.total_steps)
+        self.reporter.log(f"time budget {float(self.hp['time_budget_s']):g} s: the last epoch ran slower than "
+                          f"the calibration; {self.planned:,} steps now fit "
+                          f"({self.planned / max(self.steps_per_epoch, 1):.1f} epochs), the schedule replanned",
+                          "warning")
+
     def checkpoint(self, epoch: int, end_of_epoch: bool) -> None:
         """Written by a thread (the next steps run meanwhile), published atomically; every rank waits."""
         if self.group.is_main:
@@ -435,6 +458,8 @@ class Trainer:
                         self._track(tracked, synced)
                         if end_of_epoch and self.held is not None and group.is_main:
                             self.evaluate_heldout(epoch)
+                        if end_of_epoch:
+                            self._recheck_budget(prog)
                         if save:
                             self.checkpoint(epoch, end_of_epoch)
             _sync(device)

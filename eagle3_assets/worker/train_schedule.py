@@ -24,6 +24,16 @@ def plan_budget(now: float, t0: float, t_first: float, budget: float, step: int,
     return max(step + 1, min(total, step + int(0.97 * left / per_step)))
 
 
+def recheck_budget(now: float, t0: float, budget: float, step: int, total: int, per_step: float, group) -> int | None:
+    """At an epoch's end: the steps that still fit at the pace of the epoch just done (a machine that got busier
+    after the calibration), or None when the plan still fits within 10 %. Never more steps than planned."""
+    per_step = group.max(per_step)
+    left = group.max(budget - (now - t0))
+    if (total - step) * per_step <= 1.1 * max(left, 0.0):
+        return None
+    return min(total, step + max(0, int(0.97 * left / per_step)))
+
+
 def replan(steps_of: list[list], sched, planned: int, warmup_ratio: float) -> int:
     """Cut the epoch plans (in place) to their first `planned` steps and schedule the learning rate for that
     many: warmup and decay over the run that will happen, not the one that was asked for."""
