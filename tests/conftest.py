@@ -37,6 +37,42 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+# The two CPU paths every dtype-dependent test (marker `cpu_dtype`) runs under: the CPU as it is, and a CPU without
+# bf16 instructions (EAGLE3_CPU_BF16=0: float32 everywhere), so that an assumption about this machine's CPU fails
+# here before it fails on a user's. On a CPU without bf16 the second path is the first again and is skipped.
+CPU_PATHS = {"cpu-as-is": None, "cpu-no-bf16": "0"}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("cpu_dtype"):
+        if "cpu_path" not in metafunc.fixturenames:
+            metafunc.fixturenames.append("cpu_path")
+        metafunc.parametrize("cpu_path", list(CPU_PATHS), indirect=True)
+
+
+class CpuPath:
+    """The path a test runs under: `dtype` is what a stage left on `auto` computes in on this path."""
+
+    def __init__(self, name: str, bf16: bool):
+        self.name, self.bf16 = name, bf16
+        self.dtype = "bfloat16" if bf16 else "float32"
+
+
+@pytest.fixture
+def cpu_path(request, monkeypatch) -> CpuPath:
+    from eagle3_assets.worker import compute_dtype
+
+    force = CPU_PATHS[request.param]
+    compute_dtype.cpu.cache_clear()
+    if force is not None:
+        if compute_dtype.cpu()["cpu_bf16"] is False:
+            pytest.skip("this CPU (or EAGLE3_CPU_BF16) already takes the no-bf16 path: the as-is run covers it")
+        monkeypatch.setenv(compute_dtype.FORCE_ENV, force)  # the stages this test starts inherit it
+        compute_dtype.cpu.cache_clear()
+    yield CpuPath(request.param, compute_dtype.cpu()["cpu_bf16"])
+    compute_dtype.cpu.cache_clear()  # the next test probes under its own environment
+
+
 class Graph:
     """Materialize assets of the real graph against one instance and host."""
 

@@ -221,13 +221,17 @@ def _sparse_target(path: Path, rows: int, cols: int) -> Path:
     return path
 
 
-def test_the_hf_backend_refuses_a_target_it_cannot_hold_and_names_the_vllm_backend(built, tmp_path):
-    target = _sparse_target(tmp_path / "huge", 1_000_000, 500_000)  # 1 TB of bf16 weights
+@pytest.mark.cpu_dtype
+def test_the_hf_backend_refuses_a_target_it_cannot_hold_and_names_the_vllm_backend(built, tmp_path, cpu_path):
+    target = _sparse_target(tmp_path / "huge", 1_000_000, 500_000)  # 5e11 weights: 1 TB in bf16, 2 TB in float32
     done = _stage(built.workdir, "extract", {
         "target": str(target), "conversations": "conversations/conversations.parquet", "shard": 0,
         "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "hf", "aux_layers": [0, 1, 2]})
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "the hf backend would load the whole target (1,000.0 GB of weights in bfloat16) on one device" in done.stderr
+    # sized in the dtype the stage would compute in on this CPU path
+    size = {"bfloat16": "1,000.0", "float32": "2,000.0"}[cpu_path.dtype]
+    assert f"the hf backend would load the whole target ({size} GB of weights in {cpu_path.dtype}) on one device" \
+        in done.stderr
     assert "set hidden_state_shards' backend to vllm" in done.stderr
     assert not (tmp_path / "hs" / "shard-00000").exists()
 
