@@ -304,8 +304,8 @@ def heldout(w: Path, name: str, split_name: str, first_tokens: int | None = None
     """Teacher-forced chain acceptance of a saved drafter on a split's hidden states, replies only: the
     figure `train` reports per epoch, recomputed from the saved weights. `first_tokens`: only each reply's
     first N tokens count (what a serving benchmark of N new tokens drafts on)."""
-    from eagle3_assets.worker.shard_format import default_aux_layers
-    from eagle3_assets.worker.train_eval import heldout_acceptance
+    from eagle3_assets.common.shard_format import default_aux_layers
+    from eagle3_assets.worker.training.evaluate import heldout_acceptance
 
     info = json.loads((w / "prepared.json").read_text())
     drafter = w / "drafters" / name / "model"

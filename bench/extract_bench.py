@@ -28,8 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3_assets.worker.extract import HiddenStateCapture, Sample, extract_samples, make_batches, pad_batch  # noqa: E402
-from eagle3_assets.worker.shard_format import default_aux_layers  # noqa: E402
+from eagle3_assets.common.shard_format import default_aux_layers  # noqa: E402
+from eagle3_assets.worker.hidden_states.extract import (  # noqa: E402
+    HiddenStateCapture,
+    Sample,
+    extract_samples,
+    make_batches,
+    pad_batch,
+)
 
 SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -71,8 +71,8 @@ def make_shard(out: Path, s: dict, lengths: list[int], device: str, part_tokens:
     """One shard of random bf16 hidden states in the extract stage's format (its writer and publisher)."""
     import torch
 
-    from eagle3_assets.worker.extract import publish_shard
-    from eagle3_assets.worker.shard_format import write_part
+    from eagle3_assets.worker.hidden_states.extract import publish_shard
+    from eagle3_assets.worker.hidden_states.parts import write_part
 
     H, tmp = s["hidden"], out.with_name(f".tmp-{out.name}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -112,7 +112,7 @@ def sample_lengths(configs, warmup: int, steps: int, lo: int, hi: int, window: i
     """Just enough samples that epoch 0's plan has warmup + steps + 1 steps for every config."""
     import random
 
-    from eagle3_assets.worker.train_data import plan_batches
+    from eagle3_assets.worker.training.data import plan_batches
 
     n = 8
     while True:
@@ -139,10 +139,10 @@ def check(shape: str, T: int, ttt: int) -> dict:
     float32 and in bf16 autocast. Two rows of several documents and padding."""
     import torch
 
-    from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, init_weights
-    from eagle3_assets.worker.target_head import TargetHead
-    from eagle3_assets.worker.train_eval import autocast
-    from eagle3_assets.worker.ttt_loss import ttt_loss
+    from eagle3_assets.worker.target.head import TargetHead
+    from eagle3_assets.worker.training.drafter import DraftConfig, Eagle3Drafter, init_weights
+    from eagle3_assets.worker.training.evaluate import autocast
+    from eagle3_assets.worker.training.ttt_loss import ttt_loss
 
     s, dev = SHAPES[shape], "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test only
     c = DraftConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_attention_heads=s["heads"],
@@ -331,7 +331,7 @@ def main():
 
     import torch
 
-    from eagle3_assets.worker.train import PACK_WINDOW
+    from eagle3_assets.worker.training.trainer import PACK_WINDOW
 
     s = SHAPES[a.shape]
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,7 +13,7 @@ import yaml
 
 from . import lineage
 from .assets.serving import CONSISTENCY, SPEEDUP, engine_partitions
-from .worker.engines import DEFAULT
+from .common.engines import DEFAULT
 
 # A drop beyond these fractions of the previous result (same engine, same settings) is a regression.
 ACCEPTANCE_DROP = float(os.environ.get("EAGLE3_REGRESSION_ACCEPTANCE_DROP", "0.05"))

@@ -10,7 +10,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .worker.engines import DEFAULT, NAMES
+from .common.engines import DEFAULT, NAMES
 
 QUIET_LOGGERS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 

@@ -16,6 +16,7 @@ PACKAGE = __package__  # "eagle3_assets"
 ROOT = Path(__file__).resolve().parent
 ENTRY = f"{PACKAGE}.worker.__main__"  # what `python -m eagle3_assets.worker <stage>` runs first
 REGISTRY = f"{PACKAGE}.worker.stages"
+CONTRACTS = f"{PACKAGE}.stages"  # one module per stage, named after it
 
 
 def _path(root: Path, module: str) -> Path | None:
@@ -35,12 +36,27 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_bytes(), filename=str(path))
 
 
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING" or
+                                         getattr(test, "attr", None) == "TYPE_CHECKING")
+
+
+def _walk_running(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:`: imports for annotations only never run."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if not _type_checking(c))
+
+
 def _imports(root: Path, module: str) -> set[str]:
     """Modules of this package that `module` imports anywhere in its source (function-local imports too)."""
     path = _path(root, module)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
-    for node in ast.walk(_tree(path)):
+    for node in _walk_running(_tree(path)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -56,11 +72,14 @@ def _imports(root: Path, module: str) -> set[str]:
             # to every other)
             if len(subs) < len(node.names) or not subs:
                 out.add(base)
-    # the engine registry finds its engines by name at run time (worker/engines/__init__.py: `get`): a worker
-    # module that imports it may run any engine module (the stage contracts import it for the names only)
-    engines = f"{PACKAGE}.worker.engines"
-    if engines in out and module.startswith(f"{PACKAGE}.worker."):
-        out.update(f"{engines}.{p.stem}" for p in (root / "worker" / "engines").glob("*.py") if p.name != "__init__.py")
+    # the engine registry finds its engines by name at run time (common/engines.py: `get`): a worker module that
+    # imports it may run any engine, every file of it (an engine's processes run some of them by module path);
+    # the stage contracts and the control plane import it for the names only
+    if f"{PACKAGE}.common.engines" in out and module.startswith(f"{PACKAGE}.worker."):
+        for p in (root / "worker" / "engines").iterdir():
+            if p.name not in ("__init__.py", "__pycache__") and (p.suffix == ".py" or (p / "__init__.py").is_file()):
+                out.update(f"{PACKAGE}.worker.engines.{p.stem}.{f.stem}" if f.name != "__init__.py" else
+                           f"{PACKAGE}.worker.engines.{p.stem}" for f in ([p] if p.is_file() else p.glob("*.py")))
     # this module only names versions: a change to it changes what they are computed from, not what runs
     return {m for m in out if m != __name__ and _path(root, m) is not None}
 
@@ -117,7 +136,9 @@ def files_of(module: str, function: str, root: Path = ROOT) -> list[str]:
     unknown = stages - registry.keys()
     if unknown:
         raise ValueError(f"{module}.{function} runs stages not in {REGISTRY}: {sorted(unknown)}")
-    start = [module] + ([ENTRY] + [registry[s] for s in sorted(stages)] if stages else [])
+    # each stage's own contract (the entry point reads it by name: stages/__init__.py imports none of them)
+    start = [module] + ([ENTRY] + [m for s in sorted(stages) for m in (registry[s], f"{CONTRACTS}.{s}")]
+                        if stages else [])
     return sorted(str(_path(root, m).relative_to(root)) for m in closure(root, start))
 
 

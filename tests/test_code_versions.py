@@ -16,7 +16,9 @@ from eagle3_assets.assets import all_assets, benchmark_regression, prompts
 from eagle3_assets.hosts import LocalGpuHost
 
 DRAFTER = ("eagle3_assets.assets.drafter", "eagle3_drafter")    # the train stage
-EXPORT = ("eagle3_assets.assets.drafter", "drafter_export")     # the export stage, same control-plane module
+EXPORT = ("eagle3_assets.assets.export", "drafter_export")      # the export stage
+ACCEPT = ("eagle3_assets.assets.acceptance", "offline_acceptance")  # the speculate stage
+SHARDS = ("eagle3_assets.assets.hidden_states", "hidden_state_shards")  # the extract stage
 BENCH = ("eagle3_assets.assets.serving", "serving_benchmark")   # the serve_bench stage
 PROMPTS = ("eagle3_assets.assets.prompts", "prompts")           # no stage: control plane only
 
@@ -36,8 +38,8 @@ def _copy(tmp_path: Path, name: str, edit: str | None = None) -> Path:
 
 def test_the_code_version_changes_with_the_worker_code_the_asset_runs_and_nothing_else(tmp_path):
     same = _copy(tmp_path, "same")
-    train = _copy(tmp_path, "train", "worker/train_data.py")   # imported by worker/train.py, the train stage
-    serve = _copy(tmp_path, "serve", "worker/serve_bench.py")  # the serve_bench stage's module
+    train = _copy(tmp_path, "train", "worker/training/data.py")  # imported by training/trainer.py, the train stage
+    serve = _copy(tmp_path, "serve", "worker/serving/bench.py")  # the serve_bench stage's module
 
     def v(root, asset):
         return cv.code_version(*asset, root=root)
@@ -49,15 +51,33 @@ def test_the_code_version_changes_with_the_worker_code_the_asset_runs_and_nothin
     assert v(serve, DRAFTER) == v(same, DRAFTER) and v(serve, PROMPTS) == v(same, PROMPTS)
 
 
+def test_a_change_to_one_stages_contract_re_versions_only_the_assets_running_that_stage(tmp_path):
+    """The contracts are read by name (stages/__init__.py imports none of them), and an annotation-only import
+    (under TYPE_CHECKING) runs nothing: editing the extract contract re-versions the shards and the host
+    preflight (which sizes the disk with the extract settings), and no asset downstream of them."""
+    same, edited = _copy(tmp_path, "same"), _copy(tmp_path, "extract", "stages/extract.py")
+    changed = {f"{m}.{f}" for m, f in [DRAFTER, EXPORT, ACCEPT, BENCH, PROMPTS, SHARDS,
+                                       ("eagle3_assets.assets.host", "host_preflight"),
+                                       ("eagle3_assets.assets.conversations", "conversations"),
+                                       ("eagle3_assets.assets.vocab", "vocab_mapping"),
+                                       ("eagle3_assets.assets.target", "target_model")]
+               if cv.code_version(m, f, root=edited) != cv.code_version(m, f, root=same)}
+    assert changed == {"eagle3_assets.assets.hidden_states.hidden_state_shards",
+                       "eagle3_assets.assets.host.host_preflight"}
+
+
 def test_the_files_hashed_are_the_asset_module_its_stages_and_their_imports():
     drafter = cv.files_of(*DRAFTER)
-    assert {"assets/drafter.py", "worker/__main__.py", "worker/train.py", "worker/train_data.py"} <= set(drafter)
-    assert "worker/serve_bench.py" not in drafter and "worker/export.py" not in drafter
+    assert {"assets/drafter.py", "worker/__main__.py", "worker/training/trainer.py", "worker/training/data.py",
+            "stages/train.py"} <= set(drafter)
+    assert "worker/serving/bench.py" not in drafter and "worker/serving/export.py" not in drafter
     assert "assets/__init__.py" not in drafter  # `from .x import y` does not tie an asset to every other one
     assert "worker/__main__.py" not in cv.files_of(*PROMPTS)  # it runs no stage
     # host_preflight runs its stage through a helper in its module
     assert cv.stages_run_by(cv.ROOT, "eagle3_assets.assets.host", "host_preflight") == {"engine_check"}
-    assert "worker/engine_check.py" in cv.files_of("eagle3_assets.assets.host", "host_preflight")
+    assert "worker/serving/engine_check.py" in cv.files_of("eagle3_assets.assets.host", "host_preflight")
+    # an engine runs some of its files by module path (vLLM's connector, SGLang's capture): all of them count
+    assert {"worker/engines/vllm/connector.py", "worker/engines/sglang/capture.py"} <= set(cv.files_of(*SHARDS))
     versions = {a.key.to_user_string(): a.code_versions_by_key[a.key] for a in all_assets}
     assert versions["eagle3_drafter"] == cv.code_version(*DRAFTER)
     assert all(len(v) == 12 for v in versions.values()) and versions["eagle3_drafter"] != versions["drafter_export"]

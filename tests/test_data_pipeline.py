@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import hidden_states
+from eagle3_assets.common.shard_format import default_aux_layers
 from eagle3_assets.worker.files import hash_files
-from eagle3_assets.worker.shard_format import default_aux_layers
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_a_second_instance_copies_the_machines_converted_target(built, tmp_path)
     import sys
 
     from conftest import last_json
-    from eagle3_assets.worker.target import _cache_dir
+    from eagle3_assets.worker.target.prepare import _cache_dir
 
     cached = _cache_dir()
     assert (cached / "config.json").exists()  # kept by the session's first conversion

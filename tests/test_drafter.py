@@ -53,7 +53,7 @@ def test_the_training_curve_is_recorded_and_drawn(trained):
 
 
 def test_drafter_data_version_is_the_hash_of_its_weights(trained):
-    from eagle3_assets.worker.checkpoint import weights_hash
+    from eagle3_assets.worker.training.checkpoint import weights_hash
 
     assert trained.data_version("eagle3_drafter") == weights_hash(Path(trained.latest("eagle3_drafter")["path"]))
 
@@ -91,8 +91,8 @@ def test_resume_after_a_kill_ends_with_identical_weights(trained):
 
 def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     """The recipe's switches do what they say, and held-out acceptance is measured per epoch."""
-    from eagle3_assets.worker.target import load_config, text_config
-    from eagle3_assets.worker.target_head import load_target_head, load_target_layer
+    from eagle3_assets.worker.target.head import load_target_head, load_target_layer
+    from eagle3_assets.worker.target.model import load_config, text_config
 
     target = trained.latest("target_model")["path"]
     args = {"target": target, "shards": ["hidden_states/shard-00000"], "eval_shards": ["hidden_states/shard-00001"],
@@ -140,7 +140,7 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
 def test_the_training_scale_of_fc_inputs_is_folded_into_the_saved_fc():
     """aux_scale is a training-only reparametrization: a drafter loaded from the saved weights (plain fc, as the
     engines run it) computes exactly what the trained one did."""
-    from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, init_weights
+    from eagle3_assets.worker.training.drafter import DraftConfig, Eagle3Drafter, init_weights
 
     c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, vocab_size=100,
@@ -161,13 +161,13 @@ def test_the_training_scale_of_fc_inputs_is_folded_into_the_saved_fc():
 def test_cached_target_labels_give_the_same_loss_as_the_full_head(trained):
     """Training reads the target's greedy labels from a cache and computes only the draft vocab's logits;
     the loss and accuracies must equal those of the full-vocab computation."""
-    from eagle3_assets.worker.checkpoint import load_drafter_dir
-    from eagle3_assets.worker.drafter import Eagle3Drafter
-    from eagle3_assets.worker.target import load_config, text_config
-    from eagle3_assets.worker.target_head import load_target_head
-    from eagle3_assets.worker.train_data import ShardSet, plan_batches
-    from eagle3_assets.worker.train_eval import batch_on, target_labels
-    from eagle3_assets.worker.ttt_loss import draft_index, ttt_loss
+    from eagle3_assets.worker.target.head import load_target_head
+    from eagle3_assets.worker.target.model import load_config, text_config
+    from eagle3_assets.worker.training.checkpoint import load_drafter_dir
+    from eagle3_assets.worker.training.data import ShardSet, plan_batches
+    from eagle3_assets.worker.training.drafter import Eagle3Drafter
+    from eagle3_assets.worker.training.evaluate import batch_on, target_labels
+    from eagle3_assets.worker.training.ttt_loss import draft_index, ttt_loss
 
     target = Path(trained.latest("target_model")["path"])
     tc = text_config(load_config(target))
@@ -209,7 +209,7 @@ def test_exports_meet_each_engines_contract(trained):
 def test_non_default_layers_are_written_in_each_engines_convention(trained, tmp_path):
     from transformers import AutoConfig
 
-    from eagle3_assets.worker.export import engine_capture_layers, write_export
+    from eagle3_assets.worker.serving.export import engine_capture_layers, write_export
 
     src = tmp_path / "custom"
     shutil.copytree(trained.latest("eagle3_drafter")["path"], src)
@@ -230,7 +230,7 @@ def test_export_validation_names_the_offending_field(trained, tmp_path):
     from transformers import AutoConfig
 
     from eagle3_assets.worker.errors import StageError
-    from eagle3_assets.worker.export import validate_export
+    from eagle3_assets.worker.serving.export import validate_export
 
     tc = AutoConfig.from_pretrained(trained.latest("target_model")["path"])
     d = tmp_path / "v"
@@ -353,8 +353,8 @@ def test_the_greedy_check_finds_the_first_token_the_target_would_not_choose(trai
     greedy generation, and name the first token a broken speculator let through."""
     import torch
 
-    from eagle3_assets.worker.speculate import first_non_greedy
-    from eagle3_assets.worker.target import load_model
+    from eagle3_assets.worker.serving.speculate import first_non_greedy
+    from eagle3_assets.worker.target.model import load_model
 
     target = load_model(Path(trained.latest("target_model")["path"]), "float32", "cpu")
     prompt = [1, 504, 3458, 314, 260, 1789, 28]

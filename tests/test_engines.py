@@ -1,7 +1,7 @@
 """The engines' contracts where a real engine cannot run here. SGLang cannot run on these machines: its
 command line is checked against the flags of the SGLang release we support, and its accept-length parsing
 against its documented output. vLLM's metric parsing is also exercised for real in test_vllm.py. And the
-registry (worker/engines/__init__.py): every engine implements one interface, and a third engine is one file."""
+registry (common/engines.py): every engine implements one interface, and a third engine is one file."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.worker import engines
+from eagle3_assets.common import engines
 from eagle3_assets.worker.engines import sglang, vllm
 
 # SGLang's launch_server flags for the fields we set, as ServerArgs declares them
@@ -111,7 +111,7 @@ def test_sglang_missing_on_the_host_is_a_clear_error_in_seconds(built, tmp_path)
     assert time.monotonic() - t < 60
 
 
-# ---- SGLang's hidden-state capture (worker/sglang_capture.py) against the source of the release it targets ----
+# ---- SGLang's hidden-state capture (worker/engines/sglang/capture.py) against the source of the release it targets ----
 import ast  # noqa: E402
 
 SGLANG_SRC = Path(__file__).resolve().parents[1] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
@@ -138,7 +138,7 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
 
 def _calls(func_name: str) -> list[set[str]]:
     """The keyword names of every call to `func_name` in our capture code."""
-    ours = _tree(Path(__file__).resolve().parents[1] / "eagle3_assets" / "worker" / "sglang_capture.py")
+    ours = _tree(Path(__file__).resolve().parents[1] / "eagle3_assets" / "worker" / "engines" / "sglang" / "capture.py")
     out = []
     for n in ast.walk(ours):
         if isinstance(n, ast.Call):
@@ -146,7 +146,7 @@ def _calls(func_name: str) -> list[set[str]]:
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
             if name == func_name:
                 out.append({k.arg for k in n.keywords if k.arg})
-    assert out, f"no call to {func_name} in sglang_capture.py"
+    assert out, f"no call to {func_name} in sglang/capture.py"
     return out
 
 
@@ -271,7 +271,7 @@ def test_each_dialect_writes_and_reads_back_its_layer_ids_and_sglang_refuses_wha
 # A third engine: only this file, added to worker/engines/. Nothing else in the package names it.
 THIRD = '''
 """A third engine, for the registry's test: the interface with nothing behind it."""
-from . import support_probe
+from ...common.engines import support_probe
 
 NAME = "fake"
 TITLE = "Fake"
@@ -332,7 +332,7 @@ LISTS_IT = """
 import sys, typing
 import eagle3_assets
 assert eagle3_assets.__file__.startswith(sys.argv[1]), eagle3_assets.__file__
-from eagle3_assets.worker import engines
+from eagle3_assets.common import engines
 assert engines.NAMES == ("vllm", "fake", "sglang"), engines.NAMES
 assert engines.get("fake").NAME == "fake"
 from eagle3_assets import stages
@@ -349,8 +349,8 @@ try:
 except ValueError as e:
     assert "'fake'" in str(e), e
 assert stages.validate("serve_bench", {"engine": "fake", "target": "t", "drafter": "d", "prompts": "p",
-                                       "history": "h", "out_dir": "o"})["engine"] == "fake"
-assert stages.validate("engine_check", {"engine": "fake", "target": "t"})["engine"] == "fake"
+                                       "history": "h", "out_dir": "o"}).engine == "fake"
+assert stages.validate("engine_check", {"engine": "fake", "target": "t"}).engine == "fake"
 try:
     stages.validate("engine_check", {"engine": "tgi", "target": "t"})
     raise AssertionError("an unknown engine was accepted")
@@ -358,7 +358,8 @@ except stages.ArgsError as e:
     assert "'fake'" in str(e), e
 from eagle3_assets.assets.serving import engine_partitions
 assert engine_partitions.get_partition_keys() == ["vllm", "fake", "sglang"]
-from eagle3_assets.worker import export, generate
+from eagle3_assets.worker.data import generate
+from eagle3_assets.worker.serving import export
 assert "fake" in generate.BACKENDS
 assert export.layer_fields("fake", [2, 10, 20], 30) == {"fake_layer_ids": [102, 110, 120]}
 assert export.engine_capture_layers("fake", {"fake_layer_ids": [102, 110, 120]}, 30) == [2, 10, 20]
@@ -370,7 +371,7 @@ def test_a_third_engine_is_one_file(tmp_path):
     """A copy of the package plus worker/engines/fake.py and nothing else: the registry, the stage contracts
     (generate and extract backends, serve_bench's and engine_check's engine, export's dialects), the serving
     partitions and the worker's dispatch all list it."""
-    shutil.copytree(Path(engines.__file__).parents[2], tmp_path / "eagle3_assets",
+    shutil.copytree(Path(engines.__file__).parents[1], tmp_path / "eagle3_assets",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "eagle3_assets" / "worker" / "engines" / "fake.py").write_text(THIRD)
     done = subprocess.run([sys.executable, "-c", LISTS_IT, str(tmp_path)], cwd=tmp_path, capture_output=True,

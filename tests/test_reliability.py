@@ -265,7 +265,7 @@ def test_unreadable_history_is_set_aside_before_any_server_starts(built, tmp_pat
 
     # the append the stage makes after its measurements: a new, readable history of this result
     from eagle3_assets.worker.report import Reporter
-    from eagle3_assets.worker.serve_bench import append_history
+    from eagle3_assets.worker.serving.bench import append_history
 
     moved: list[str] = []
     append_history(history, [{"engine": "vllm", "concurrency": 1, "acceptance_length": 1.5}], Reporter(), moved)

@@ -244,7 +244,8 @@ def test_uploaded_worker_code_changed_on_the_host_is_restored(built, sshd, tmp_p
     code = work / ".eagle3" / "code" / local_fingerprint() / "eagle3_assets"
     main = code / "worker" / "__main__.py"
     main.write_text('raise SystemExit("the edited worker code ran")\n' + main.read_text())
-    (code / "worker" / "vocab.py").unlink()
+    (code / "worker" / "data" / "vocab.py").unlink()
+    (code / "stages" / "vocab.py").write_text("raise SystemExit('the edited contract ran')\n")  # contracts ship too
     (code / "worker" / "extra_hook.py").write_text("print('not ours')\n")
 
     res = _stage(built.instance, host, "vocab", {"target": built.latest("target_model")["path"],
@@ -252,7 +253,8 @@ def test_uploaded_worker_code_changed_on_the_host_is_restored(built, sshd, tmp_p
                                                  "draft_vocab_size": 64})
     assert res.success, failure_text(res)
     restored = [m for m in step_log_messages(built.instance, res.run_id) if "changed on the host" in m]
-    assert restored and all(w in restored[0] for w in ("worker/__main__.py", "worker/vocab.py", "worker/extra_hook.py"))
+    assert restored and all(w in restored[0] for w in ("worker/__main__.py", "worker/data/vocab.py", "stages/vocab.py",
+                                                       "worker/extra_hook.py"))
     assert {rel: _sha(code / rel) for rel in local_files()} == local_files()
     assert not (code / "worker" / "extra_hook.py").exists()
 

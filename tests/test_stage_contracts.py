@@ -14,8 +14,10 @@ import dagster as dg
 import pytest
 
 from eagle3_assets import stages
+from eagle3_assets.assets.acceptance import OfflineAcceptanceConfig
 from eagle3_assets.assets.conversations import ConversationsConfig
-from eagle3_assets.assets.drafter import DrafterConfig, ExportConfig, OfflineAcceptanceConfig
+from eagle3_assets.assets.drafter import DrafterConfig
+from eagle3_assets.assets.export import ExportConfig
 from eagle3_assets.assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.assets.serving import ServingBenchmarkConfig
 from eagle3_assets.assets.target import TargetModelConfig
@@ -62,12 +64,12 @@ def test_unreadable_arguments_are_named_too(tmp_path):
     assert "cannot read the export arguments from --args" in err
 
 
-@pytest.mark.parametrize("stage", sorted(stages.CONTRACTS))
+@pytest.mark.parametrize("stage", stages.NAMES)
 def test_help_lists_every_argument_of_the_stage_with_its_default(stage, tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle3_assets.worker", stage, "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for name, field in stages.CONTRACTS[stage].args.model_fields.items():
+    for name, field in stages.contract(stage).args.model_fields.items():
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"  {name}: ")), None)
         assert line is not None, f"{name} missing from {stage} --help:\n{r.stdout}"
         want = "required" if field.is_required() else f"default {json.dumps(field.get_default(call_default_factory=True))}"
@@ -92,7 +94,7 @@ def test_the_launchpad_shows_the_stages_own_fields_and_defaults(config, stage, o
     """What the launchpad offers is what the worker takes: every config field is a stage argument (or one the
     control plane consumes itself), with the stage's default, and the config's defaults validate as the stage's
     arguments once the asset's paths are added."""
-    args_model = stages.CONTRACTS[stage].args
+    args_model = stages.contract(stage).args
     schema = config.to_config_schema().as_field().config_type.fields
     assert set(schema) == set(config.model_fields)
     for name in set(config.model_fields) - own:
@@ -135,3 +137,14 @@ def test_a_report_missing_what_the_other_half_reads_fails_where_it_is_made():
     with pytest.raises(stages.ArgsError, match="conversations: required"):
         rep.result({"path": "x"})
     rep.result({"path": "x", "conversations": 3})  # what it does report passes
+
+
+def test_every_stage_has_its_contract_and_gets_it_as_a_typed_model():
+    """The worker's registry and the contracts name the same stages; a stage is handed its Args model (attributes
+    with every default filled in), not a dict of strings."""
+    from eagle3_assets.stages.train import TrainArgs
+    from eagle3_assets.worker.stages import STAGES
+
+    assert set(STAGES) == set(stages.NAMES)
+    args = stages.validate("train", {"target": "t", "shards": ["s"], "out": "drafter/x", "ttt_steps": 3})
+    assert isinstance(args, TrainArgs) and args.ttt_steps == 3 and args.epochs == TrainArgs.model_fields["epochs"].default

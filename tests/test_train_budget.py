@@ -53,8 +53,8 @@ def test_a_budget_that_fits_every_epoch_changes_nothing(built, work):
 def test_an_epoch_that_ran_slower_than_the_calibration_cuts_the_later_epochs():
     """The budget is rechecked at each epoch's end at that epoch's pace: a machine that got busier after the
     first steps were timed still ends near its budget, and one on pace keeps its plan."""
-    from eagle3_assets.worker.distributed import Group
-    from eagle3_assets.worker.train_schedule import recheck_budget
+    from eagle3_assets.worker.training.distributed import Group
+    from eagle3_assets.worker.training.schedule import recheck_budget
 
     group = Group("cpu")
     # 100 s budget, 40 s gone at step 100 of 300 planned: 0.2 s/step fits (200 steps, 40 s), 0.6 s/step does not

@@ -15,12 +15,19 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from eagle3_assets.worker import chain_attention as ca
-from eagle3_assets.worker import train, ttt_loss
-from eagle3_assets.worker.checkpoint_writer import CheckpointWriter
-from eagle3_assets.worker.drafter import DraftConfig, Eagle3Drafter, chain_attention, doc_causal_mask, init_weights
-from eagle3_assets.worker.target_head import TargetHead
-from eagle3_assets.worker.train_data import _Rows, batch_shape, batch_tokens, plan_batches
+from eagle3_assets.worker.target.head import TargetHead
+from eagle3_assets.worker.training import chain_attention as ca
+from eagle3_assets.worker.training import trainer as train
+from eagle3_assets.worker.training import ttt_loss
+from eagle3_assets.worker.training.checkpoint_writer import CheckpointWriter
+from eagle3_assets.worker.training.data import _Rows, batch_shape, batch_tokens, plan_batches
+from eagle3_assets.worker.training.drafter import (
+    DraftConfig,
+    Eagle3Drafter,
+    chain_attention,
+    doc_causal_mask,
+    init_weights,
+)
 
 
 def dense_attend(q, k, v, block_mask, lse=False):
@@ -266,7 +273,7 @@ def test_collate_pads_to_the_fixed_shape_with_finite_padding(tmp_path):
     s = train_bench.SHAPES["tiny"]
     lengths = [30, 200, 50, 90]
     train_bench.make_shard(tmp_path / "shard-00000", s, lengths, "cpu")
-    from eagle3_assets.worker.train_data import ShardSet, collate
+    from eagle3_assets.worker.training.data import ShardSet, collate
 
     data = ShardSet([tmp_path / "shard-00000"], s["hidden"])
     labels = [torch.zeros(x, dtype=torch.int32) for x in lengths]

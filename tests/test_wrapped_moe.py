@@ -67,7 +67,7 @@ def pipeline(kimi, tmp_path_factory):
 
 
 def _text_config(path: Path):
-    from eagle3_assets.worker.target import load_config, text_config
+    from eagle3_assets.worker.target.model import load_config, text_config
 
     return text_config(load_config(path))
 
@@ -93,7 +93,7 @@ def test_shards_hold_the_text_models_hidden_states(pipeline, kimi):
     the directory, its forward's hidden states at the manifest's layers."""
     from transformers import Kimi_K25ForConditionalGeneration
 
-    from eagle3_assets.worker.shard_format import default_aux_layers
+    from eagle3_assets.common.shard_format import default_aux_layers
 
     ref, info = Kimi_K25ForConditionalGeneration.from_pretrained(kimi.path, dtype=torch.float32,
                                                                  output_loading_info=True)
@@ -196,12 +196,8 @@ def test_exports_carry_the_text_models_vocab_width_and_default_layers(pipeline, 
 def test_layer_ids_for_a_61_layer_target_in_each_dialect(pipeline, kimi, tmp_path):
     """Kimi-K2.5's 61 layers, read through the wrapper's text_config: the default ids [1, 29, 57] are
     omitted; others are written as each engine numbers them (vLLM: capture before layer i = ours + 1)."""
-    from eagle3_assets.worker.export import (
-        engine_capture_layers,
-        validate_export,
-        write_export,
-    )
-    from eagle3_assets.worker.target import load_config
+    from eagle3_assets.worker.serving.export import engine_capture_layers, validate_export, write_export
+    from eagle3_assets.worker.target.model import load_config
 
     wrapper = copy.deepcopy(load_config(kimi.path))
     wrapper.text_config.num_hidden_layers = 61
@@ -237,7 +233,7 @@ def test_layer_ids_for_a_61_layer_target_in_each_dialect(pipeline, kimi, tmp_pat
 
 def test_serving_reads_the_wrapped_targets_layer_count(pipeline, kimi):
     """serve_bench's wiring report reads the text model's layers (the top-level config has none)."""
-    from eagle3_assets.worker.serve_bench import layer_wiring
+    from eagle3_assets.worker.serving.bench import layer_wiring
 
     exp = Path(pipeline.latest("drafter_export")["vllm_path"])
     trained = Path(pipeline.latest("eagle3_drafter")["path"])
@@ -301,18 +297,14 @@ CONVENTIONS = ("ours", "specforge", "vllm", "speculators")
 
 
 def load_config_of(kimi):
-    from eagle3_assets.worker.target import load_config
+    from eagle3_assets.worker.target.model import load_config
 
     return load_config(kimi.path)  # the wrapper's config: load_drafter_dir reads its text model
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)
 def test_a_drafter_whose_ids_match_the_shards_is_accepted_in_any_convention(pipeline, kimi, tmp_path, convention):
-    from eagle3_assets.worker.checkpoint import (
-        check_finetune_layers,
-        load_drafter_dir,
-        read_aux_ids,
-    )
+    from eagle3_assets.worker.training.checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids
 
     shard_ids = pipeline.latest("eagle3_drafter")["aux_layer_ids"]
     src = Path(pipeline.latest("eagle3_drafter")["path"])
@@ -354,8 +346,8 @@ def test_a_drafter_one_layer_off_is_refused_before_training(pipeline, kimi, tmp_
 
 
 def test_a_speculators_drafter_that_normalises_before_the_residual_is_refused(pipeline, kimi, tmp_path):
-    from eagle3_assets.worker.checkpoint import load_drafter_dir
     from eagle3_assets.worker.errors import StageError
+    from eagle3_assets.worker.training.checkpoint import load_drafter_dir
 
     shard_ids = pipeline.latest("eagle3_drafter")["aux_layer_ids"]
     d = _drafter_with_ids(Path(pipeline.latest("eagle3_drafter")["path"]), tmp_path / "spec", "speculators", shard_ids)
@@ -371,9 +363,9 @@ def test_specforges_kimi_k25_draft_ids_against_default_shards():
     family) target, SGLang takes a list not starting at 1 as capture-before (sglang PR #25454): [2, 30, 58]
     are the outputs of layers [1, 29, 57], the default shards' layers. Read as plain output-of-layer ids
     (as for a Llama target) they would be one layer off."""
-    from eagle3_assets.worker.checkpoint import check_finetune_layers, read_aux_ids
+    from eagle3_assets.common.shard_format import default_aux_layers
     from eagle3_assets.worker.errors import StageError
-    from eagle3_assets.worker.shard_format import default_aux_layers
+    from eagle3_assets.worker.training.checkpoint import check_finetune_layers, read_aux_ids
 
     spec = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
     ids = read_aux_ids(spec, 61, "kimi_k2")

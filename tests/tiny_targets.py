@@ -44,7 +44,7 @@ def smollm2_tokenizer():
     if "tok" not in _TOKENIZER:
         from transformers import AutoTokenizer
 
-        from eagle3_assets.worker.target import embedded_gguf
+        from eagle3_assets.worker.target.prepare import embedded_gguf
 
         gguf = embedded_gguf()
         _TOKENIZER["tok"] = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

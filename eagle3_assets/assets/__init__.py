@@ -1,7 +1,9 @@
 """The Dagster layer: one module per stage, thin: each says what runs where and what it records."""
 
+from .acceptance import offline_acceptance
 from .conversations import conversations
-from .drafter import drafter_export, eagle3_drafter, offline_acceptance
+from .drafter import eagle3_drafter
+from .export import drafter_export
 from .hidden_states import hidden_state_shards
 from .history import benchmark_history, benchmark_regression
 from .host import host_preflight

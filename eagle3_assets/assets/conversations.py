@@ -7,10 +7,9 @@ from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..stages.generate import GenerateSettings
 from .partitions import shard_key, shard_partitions
-from .prompts import TRAIN
+from .paths import CONVERSATIONS as OUT
+from .paths import TRAIN
 from .upstream import upstream_metadata
-
-OUT = "conversations/conversations.parquet"
 
 
 class ConversationsConfig(dg.Config, GenerateSettings):

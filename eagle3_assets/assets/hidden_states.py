@@ -3,11 +3,10 @@ import dagster as dg
 from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..stages.extract import ExtractSettings
-from .conversations import OUT as CONVERSATIONS
 from .partitions import shard_partitions
+from .paths import CONVERSATIONS
+from .paths import SHARDS_DIR as OUT_DIR
 from .upstream import upstream_metadata
-
-OUT_DIR = "hidden_states"
 
 
 class HiddenStatesConfig(dg.Config, ExtractSettings):

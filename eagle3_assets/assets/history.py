@@ -10,8 +10,8 @@ from pydantic import Field
 
 from .. import lineage
 from ..code_versions import code_version
-from ..worker import charts
-from ..worker.engines import NAMES
+from ..common import charts
+from ..common.engines import NAMES
 
 
 def history_path(instance: dg.DagsterInstance) -> Path:

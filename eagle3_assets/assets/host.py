@@ -5,9 +5,9 @@ import dagster as dg
 from pydantic import Field
 
 from ..code_versions import code_version
+from ..common.shard_format import bytes_per_token
 from ..hosts import GpuHost
 from ..stages.extract import ExtractSettings
-from ..worker.shard_format import bytes_per_token
 
 
 class HostPreflightConfig(dg.Config):

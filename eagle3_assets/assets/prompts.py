@@ -13,10 +13,9 @@ from pydantic import Field
 from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, load_source, split
+from .paths import EVAL, EVAL_HUMANEVAL, TRAIN
 
-TRAIN, EVAL, EVAL_HUMANEVAL = "prompts/train.parquet", "prompts/eval.parquet", "prompts/eval_humaneval.parquet"
 # Prompt sets acceptance is measured on; `train` is a sanity check (a drafter must do well on its own data).
-PROMPT_SETS = {"eval": EVAL, "humaneval": EVAL_HUMANEVAL, "train": TRAIN}
 
 SCHEMA = pa.schema([
     ("id", pa.string()),

@@ -4,11 +4,11 @@ import dagster as dg
 from pydantic import Field
 
 from ..code_versions import code_version
+from ..common import charts
+from ..common.engines import NAMES
 from ..hosts import GpuHost
 from ..stages.serve_bench import ServeBenchSettings
-from ..worker import charts
-from ..worker.engines import NAMES
-from .prompts import PROMPT_SETS
+from .paths import PROMPT_SETS
 from .upstream import upstream_metadata
 
 engine_partitions = dg.StaticPartitionsDefinition(list(NAMES))  # one per module of worker/engines/

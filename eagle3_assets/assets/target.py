@@ -3,7 +3,7 @@ import dagster as dg
 
 from ..code_versions import code_version
 from ..hosts import GpuHost
-from ..stages.target import PrepareTargetSettings
+from ..stages.prepare_target import PrepareTargetSettings
 
 
 class TargetModelConfig(dg.Config, PrepareTargetSettings):

@@ -2,8 +2,9 @@ import dagster as dg
 
 from ..code_versions import code_version
 from ..hosts import GpuHost
-from ..stages.vocab import OUT, VocabSettings
-from .conversations import OUT as CONVERSATIONS
+from ..stages.vocab import VocabSettings
+from .paths import CONVERSATIONS
+from .paths import VOCAB as OUT
 from .upstream import upstream_metadata
 
 

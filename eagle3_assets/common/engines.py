@@ -1,12 +1,11 @@
-"""Serving engines on the host, one module each (`vllm.py`, `sglang.py`): the registry of their names, and the
-interface every engine module implements, which the stages call (serve_bench, generate, export, extract,
-engine_check, checkpoint) without naming an engine. A third engine is one more module here implementing
-`Engine`; the control plane reads only `NAMES` (partitions, the stage contracts' choices, the CLI).
+"""The registry of serving engines: their names, and the interface every engine implements, which the worker's
+stages call (serve_bench, generate, export, extract, engine_check, checkpoint) without naming an engine.
 
-Standard library only, and no engine module is imported to list the names: the stage contracts
-(eagle3_assets/stages) and the control plane import this module, and an engine runs in its own environment.
-The shared helpers beside the engines (`SHARED`) are not engines: the load generator, the server process,
-vLLM's KV connector (which vLLM itself imports by its module path, `vllm.CONNECTOR_MODULE`)."""
+The engines themselves live in the worker, one module or package each under `worker/engines/` (`vllm/`,
+`sglang/`); a third engine is one more there implementing `Engine`. The control plane reads only `NAMES`
+(partitions, the stage contracts' choices, the CLI). Standard library only, and no engine is imported to list
+the names: an engine runs in its own environment. The helpers beside the engines (`SHARED`) are not engines:
+the load generator, the server process, the extraction dump both engines write."""
 
 from __future__ import annotations
 
@@ -15,15 +14,17 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Protocol
 
-SHARED = frozenset({"load", "server", "vllm_connector"})
+SHARED = frozenset({"load", "server", "dump"})
+IMPLEMENTATIONS = "eagle3_assets.worker.engines"  # the package holding the engines
+_DIR = Path(__file__).resolve().parent.parent / "worker" / "engines"
 # The reference engine, listed first: the one this project runs and tests for real (the main command's and the
 # nightly benchmark's engine, drafter_export's default first dialect).
 DEFAULT = "vllm"
 
 
 def _discover() -> tuple[str, ...]:
-    found = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
-                   if not m.ispkg and not m.name.startswith("_") and m.name not in SHARED)
+    found = sorted(m.name for m in pkgutil.iter_modules([str(_DIR)])
+                   if not m.name.startswith("_") and m.name not in SHARED)
     return tuple(sorted(found, key=lambda n: n != DEFAULT))
 
 
@@ -94,11 +95,11 @@ def get(name: str):
     """The engine module `name`; a ValueError naming the known engines, or what the module lacks."""
     if name not in NAMES:
         raise ValueError(f"unknown engine {name!r}: the engines are {', '.join(NAMES)} (eagle3_assets/worker/engines/)")
-    module = importlib.import_module(f"{__name__}.{name}")
+    module = importlib.import_module(f"{IMPLEMENTATIONS}.{name}")
     missing = [n for n in INTERFACE if not hasattr(module, n)]
     if missing or module.NAME != name:
         raise ValueError(f"engine module {module.__name__} does not implement the engine interface "
-                         f"(eagle3_assets/worker/engines/__init__.py: Engine): "
+                         f"(eagle3_assets/common/engines.py: Engine): "
                          + (f"it lacks {missing}" if missing else f"its NAME is {module.NAME!r}"))
     return module
 

@@ -20,13 +20,19 @@ import sys
 WORKER_DEPS = ["dagster-pipes", "pydantic", "torch", "transformers", "safetensors", "accelerate", "pyarrow", "numpy", "tqdm"]
 
 
+# The packages a worker imports: its own, the stage contracts it validates its arguments with, and what both
+# halves read (the rest of eagle3_assets is the control plane, never imported on a host).
+WORKER_PACKAGES = ("common", "stages", "worker")
+
+
 def worker_files(package_dir: str) -> list[str]:
     """The files the worker runs from, relative to the package: what code upload ships and the
     fingerprint covers."""
     out = ["__init__.py"]
-    for root, dirs, files in os.walk(os.path.join(package_dir, "worker")):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        out += [os.path.relpath(os.path.join(root, f), package_dir) for f in sorted(files) if f.endswith(".py")]
+    for pkg in WORKER_PACKAGES:
+        for root, dirs, files in os.walk(os.path.join(package_dir, pkg)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            out += [os.path.relpath(os.path.join(root, f), package_dir) for f in sorted(files) if f.endswith(".py")]
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from ..worker.parent import PARENT_ENV
+from ..common.worker_env import PARENT_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
 

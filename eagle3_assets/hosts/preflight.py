@@ -1,4 +1,4 @@
-"""Reading a host's probe (`worker/probe.py`): what is wrong with it for a stage, in words a user can act on."""
+"""Reading a host's probe (`common/probe.py`): what is wrong with it for a stage, in words a user can act on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..worker import probe
+from ..common import probe
 
 # Stages that need an accelerator on a host that says it has one (`require_gpus`).
 GPU_STAGES = frozenset({"generate", "extract", "train", "speculate", "serve_bench"})

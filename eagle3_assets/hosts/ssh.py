@@ -22,6 +22,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
+from ..common.worker_env import NO_BAR_ENV
 from . import inputs, preflight
 from .base import GpuHost, StageRun, describe_exit, stage_outcome
 from .ssh_connection import Connection, EnvNameError, RemoteCommandError, SshError, SshTarget, is_link_error
@@ -192,7 +193,7 @@ class SshGpuHost(GpuHost):
             reader = _RemoteMessages(f"{rundir}/messages.jsonl")
             with dg.open_pipes_session(context=context, context_injector=dg.PipesEnvContextInjector(),
                                        message_reader=reader, extras={"stage": stage}) as session:
-                env = {**self.env, **session.get_bootstrap_env_vars(), "EAGLE3_NO_BAR": "1", "PYTHONUNBUFFERED": "1"}
+                env = {**self.env, **session.get_bootstrap_env_vars(), NO_BAR_ENV: "1", "PYTHONUNBUFFERED": "1"}
                 if info["code_dir"]:
                     env["PYTHONPATH"] = ":".join(p for p in (info["code_dir"], self.env.get("PYTHONPATH")) if p)
                 spec = {"argv": [self.python, "-m", "eagle3_assets.worker", stage, "--workdir", workdir,

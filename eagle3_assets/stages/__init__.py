@@ -7,51 +7,34 @@ materialization that the other half reads.
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 import types
 import typing
-from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from .base import Args, ArgsError, Result, explain
-from .engine_check import EngineCheckArgs, EngineCheckResult
-from .export import ExportArgs, ExportResult
-from .extract import ExtractArgs
-from .generate import GenerateArgs, GenerateResult
-from .serve_bench import ServeBenchArgs, ServeBenchResult
-from .speculate import SpeculateArgs, SpeculateResult
-from .target import PrepareTargetArgs, PrepareTargetResult
-from .train import TrainArgs, TrainResult
-from .vocab import VocabArgs
+from .base import ArgsError, Contract, explain
+
+# One module per stage, named after it; none is imported until its stage is asked for, so that the modules
+# reading a contract (the worker's entry point, its reporter) depend on that stage's contract alone: a change
+# to one contract gives new code versions only to the assets running that stage (code_versions.py).
+NAMES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+                                      if m.name != "base"))
 
 
-@dataclass(frozen=True)
-class Contract:
-    args: type[Args]
-    metadata: type[Result] | None = None  # what its materialization's metadata must carry
-    result: type[Result] | None = None  # what its small JSON answer must carry
+def contract(stage: str) -> Contract:
+    if stage not in NAMES:
+        raise ArgsError(f"unknown stage {stage!r}: one of {list(NAMES)}")
+    return importlib.import_module(f"{__name__}.{stage}").CONTRACT
 
 
-CONTRACTS: dict[str, Contract] = {
-    "prepare_target": Contract(PrepareTargetArgs, metadata=PrepareTargetResult),
-    "generate": Contract(GenerateArgs, result=GenerateResult),
-    "extract": Contract(ExtractArgs),
-    "vocab": Contract(VocabArgs),
-    "train": Contract(TrainArgs, metadata=TrainResult),
-    "export": Contract(ExportArgs, metadata=ExportResult),
-    "speculate": Contract(SpeculateArgs, metadata=SpeculateResult),
-    "serve_bench": Contract(ServeBenchArgs, metadata=ServeBenchResult),
-    "engine_check": Contract(EngineCheckArgs, result=EngineCheckResult),
-}
-
-
-def validate(stage: str, raw: object) -> dict:
-    """The stage's arguments with every default filled in, or ArgsError naming each bad field."""
-    if stage not in CONTRACTS:
-        raise ArgsError(f"unknown stage {stage!r}: one of {sorted(CONTRACTS)}")
+def validate(stage: str, raw: object):
+    """The stage's Args model with every default filled in, or ArgsError naming each bad field."""
     try:
-        return CONTRACTS[stage].args.model_validate(raw).model_dump()
+        return contract(stage).args.model_validate(raw)
     except ValidationError as e:
         raise ArgsError(explain(stage, e)) from None
 
@@ -59,7 +42,7 @@ def validate(stage: str, raw: object) -> dict:
 def check_reported(stage: str, kind: str, payload: dict) -> None:
     """A stage's materialization metadata (kind "metadata") or result (kind "result") must carry what the other
     half reads: a missing key is the stage's own bug, caught where it is made rather than downstream."""
-    model = getattr(CONTRACTS[stage], kind) if stage in CONTRACTS else None
+    model = getattr(contract(stage), kind) if stage in NAMES else None
     if model is None:
         return
     try:
@@ -88,7 +71,7 @@ _BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "length >
 
 def describe(stage: str) -> str:
     """The stage's arguments for `--help`: name, type, default or `required`, bounds, description."""
-    model: type[BaseModel] = CONTRACTS[stage].args
+    model: type[BaseModel] = contract(stage).args
     lines = [f"{stage} arguments (JSON object for --args / --args-file):"]
     for name, f in model.model_fields.items():
         default = "required" if f.is_required() else f"default {json.dumps(f.get_default(call_default_factory=True))}"
@@ -100,4 +83,4 @@ def describe(stage: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CONTRACTS", "ArgsError", "Contract", "check_reported", "describe", "validate"]
+__all__ = ["NAMES", "ArgsError", "Contract", "check_reported", "contract", "describe", "validate"]

@@ -8,8 +8,21 @@ keys) and are what the worker validates before importing torch. A default lives 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..common import engines
+
+# The engines' names (common/engines.py lists them from worker/engines/): every contract's engine choices, shown
+# by the launchpad and --help.
+NAMES = engines.NAMES
+EngineName = Literal[NAMES]
+DEFAULT_ENGINE = engines.DEFAULT  # serve_bench's
+# What offline acceptance and the engines' benchmark must share, or their figures cannot be compared.
+NUM_SPECULATIVE_TOKENS = 3  # draft tokens per step
+EVAL_NEW_TOKENS = 64  # generated tokens per prompt
 
 # A name that becomes one directory under the host work directory: letters, digits, '-', '_', and dots only
 # between them (no '.', '..', hidden names or separators).
@@ -55,3 +68,11 @@ def explain(stage: str, err: ValidationError) -> str:
             lines.append(f"{where}: {msg}" if e["type"] == "value_error" else f"{where}: {msg}, got {e.get('input')!r}")
     return f"bad {stage} arguments: " + "; ".join(lines) + \
         f" (`python -m eagle3_assets.worker {stage} --help` lists them)"
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A stage's contract, one per module of this package named after the stage (`CONTRACT` there)."""
+    args: type[Args]
+    metadata: type[Result] | None = None  # what its materialization's metadata must carry
+    result: type[Result] | None = None  # what its small JSON answer must carry

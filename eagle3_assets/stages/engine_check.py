@@ -6,13 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-# The engine names, one per module of worker/engines/: its __init__ is standard library only and imports no
-# engine (pyproject.toml, stages-leaf, exempts this one import). Every contract's engine choices come from here.
-from ..worker.engines import DEFAULT as DEFAULT  # re-exported: serve_bench's default engine
-from ..worker.engines import NAMES
-from .base import Args, Result
-
-EngineName = Literal[NAMES]  # the launchpad and --help show the choices
+from .base import Args, Contract, EngineName, Result
 
 
 class EngineCheckArgs(Args):
@@ -24,3 +18,6 @@ class EngineCheckArgs(Args):
 
 class EngineCheckResult(Result):
     version: str
+
+
+CONTRACT = Contract(EngineCheckArgs, result=EngineCheckResult)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from .base import Args, Result, Settings
-from .engine_check import NAMES
+from .base import NAMES, Args, Contract, Result, Settings
 
 
 class ExportSettings(Settings):
@@ -30,3 +29,6 @@ class ExportArgs(Args, ExportSettings):
 
 class ExportResult(Result):
     source: str  # the canonical checkpoint exported; each dialect adds <dialect>_path
+
+
+CONTRACT = Contract(ExportArgs, metadata=ExportResult)

@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, Args, Settings
-from .engine_check import NAMES
+from .base import DTYPE_HELP, NAMES, Args, Contract, Settings
 
 
 class ExtractSettings(Settings):
@@ -52,3 +51,6 @@ class ExtractArgs(Args, ExtractSettings):
     samples_per_shard: int = Field(gt=0)
     out_dir: str = Field(default="hidden_states", description="shards go to <out_dir>/shard-<shard:05d>")
     device: str = Field(default="auto", description="hf backend: auto, cpu, cuda, cuda:N")
+
+
+CONTRACT = Contract(ExtractArgs)

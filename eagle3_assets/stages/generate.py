@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, Args, Result, Settings
-from .engine_check import NAMES
+from .base import DTYPE_HELP, NAMES, Args, Contract, Result, Settings
 
 
 class GenerateSettings(Settings):
@@ -40,3 +39,6 @@ class GenerateArgs(Args, GenerateSettings):
 
 class GenerateResult(Result):
     conversations: int
+
+
+CONTRACT = Contract(GenerateArgs, result=GenerateResult)

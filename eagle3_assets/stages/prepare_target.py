@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Args, Result, Settings
+from .base import Args, Contract, Result, Settings
 
 
 class PrepareTargetSettings(Settings):
@@ -22,3 +22,6 @@ class PrepareTargetArgs(Args, PrepareTargetSettings):
 class PrepareTargetResult(Result):
     path: str
     hidden_size: int
+
+
+CONTRACT = Contract(PrepareTargetArgs, metadata=PrepareTargetResult)

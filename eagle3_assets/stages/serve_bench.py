@@ -6,9 +6,17 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, Args, Result, Settings
-from .engine_check import DEFAULT, EngineName
-from .speculate import EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS
+from .base import (
+    DEFAULT_ENGINE,
+    DTYPE_HELP,
+    EVAL_NEW_TOKENS,
+    NUM_SPECULATIVE_TOKENS,
+    Args,
+    Contract,
+    EngineName,
+    Result,
+    Settings,
+)
 
 
 class ServeBenchSettings(Settings):
@@ -29,7 +37,7 @@ class ServeBenchSettings(Settings):
 
 
 class ServeBenchArgs(Args, ServeBenchSettings):
-    engine: EngineName = Field(default=DEFAULT, description="the serving engine (serving_benchmark: its partition)")
+    engine: EngineName = Field(default=DEFAULT_ENGINE, description="the serving engine (serving_benchmark: its partition)")
     target: str = Field(description="the target model directory")
     drafter: str = Field(description="the exported drafter, in the engine's dialect")
     trained_drafter: str | None = Field(default=None, description="the canonical checkpoint it was exported from "
@@ -50,3 +58,6 @@ class ServeBenchResult(Result):
     checkpoint: str | None = None
     served_aux_layers: list[int] | None = None
     trained_aux_layers: list[int] | None = None
+
+
+CONTRACT = Contract(ServeBenchArgs, metadata=ServeBenchResult)

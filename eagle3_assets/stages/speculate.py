@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Args, Result, Settings
-
-NUM_SPECULATIVE_TOKENS = 3  # draft tokens per step, offline and in the engines: the same k or no comparison
-EVAL_NEW_TOKENS = 64  # generated tokens per prompt, offline and in the engines
+from .base import EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS, Args, Contract, Result, Settings
 
 
 class SpeculateSettings(Settings):
@@ -26,3 +23,6 @@ class SpeculateArgs(Args, SpeculateSettings):
 
 class SpeculateResult(Result):
     acceptance_length: float
+
+
+CONTRACT = Contract(SpeculateArgs, metadata=SpeculateResult)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import Args, Result, Settings, plain_name
+from .base import Args, Contract, Result, Settings, plain_name
 
 # The settings that decide the trained weights: they go into the checkpoint's fingerprint (a resume with any
 # of them changed starts afresh) and into the drafter's metadata.
@@ -86,3 +86,6 @@ class TrainArgs(Args, TrainSettings):
 
 class TrainResult(Result):
     path: str
+
+
+CONTRACT = Contract(TrainArgs, metadata=TrainResult)

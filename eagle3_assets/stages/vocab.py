@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Args, Settings
-
-OUT = "vocab/vocab_mapping.safetensors"
+from .base import Args, Contract, Settings
 
 
 class VocabSettings(Settings):
@@ -16,4 +14,7 @@ class VocabSettings(Settings):
 class VocabArgs(Args, VocabSettings):
     target: str = Field(description="the target model directory")
     conversations: str = Field(description="the regenerated conversations' Parquet file")
-    out: str = Field(default=OUT, description="the d2t/t2d safetensors file")
+    out: str = Field(description="the d2t/t2d safetensors file")
+
+
+CONTRACT = Contract(VocabArgs)

@@ -16,6 +16,7 @@ import traceback
 from contextlib import nullcontext
 
 from ..stages import ArgsError, describe, validate
+from ..stages.base import Args
 from . import output_lock
 from .errors import StageError
 from .parent import die_with_parent
@@ -36,8 +37,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _read_args(ns: argparse.Namespace) -> dict:
-    """The stage's arguments, checked against its contract before anything is imported or written."""
+def _read_args(ns: argparse.Namespace) -> Args:
+    """The stage's arguments (its contract's Args model), checked before anything is imported or written."""
     where = ns.args_file or "--args"
     try:
         if ns.args_file:

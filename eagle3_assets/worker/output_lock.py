@@ -22,18 +22,19 @@ WAIT_ENV = "EAGLE3_OUTPUT_LOCK_WAIT_S"  # how long a second worker waits for the
 DEFAULT_WAIT_S = 60.0
 
 
-def output_of(workdir: str, args: dict) -> Path | None:
-    """The file or directory a stage writes, from its arguments; None for a stage that writes nothing."""
-    if args.get("out"):
-        return resolve(workdir, str(args["out"]))
-    if args.get("out_dir"):
-        out = resolve(workdir, str(args["out_dir"]))
-        return out / f"shard-{int(args['shard']):05d}" if args.get("shard") is not None else out
+def output_of(workdir: str, args) -> Path | None:
+    """The file or directory a stage writes, from its arguments (a stage's Args: `out`, or `out_dir` and a
+    `shard` in it); None for a stage that writes nothing."""
+    out, out_dir, shard = (getattr(args, k, None) for k in ("out", "out_dir", "shard"))
+    if out:
+        return resolve(workdir, str(out))
+    if out_dir:
+        return resolve(workdir, str(out_dir)) / (f"shard-{int(shard):05d}" if shard is not None else "")
     return None
 
 
 @contextmanager
-def hold(workdir: str, stage: str, args: dict, log=None) -> Iterator[None]:
+def hold(workdir: str, stage: str, args, log=None) -> Iterator[None]:
     out = output_of(workdir, args)
     if out is None:
         yield

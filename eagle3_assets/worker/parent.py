@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-PARENT_ENV = "EAGLE3_DIE_WITH_PARENT"  # the pid of a starter this worker must not outlive (the local host)
+from ..common.worker_env import PARENT_ENV
 
 
 def die_with_parent() -> None:

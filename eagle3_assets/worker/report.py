@@ -16,8 +16,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..common.worker_env import NO_BAR_ENV
 from ..stages import check_reported
-from .tracker import Tracker
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -30,7 +30,8 @@ class Reporter:
         self._pipes = pipes
         self.result_payload: dict | None = None
         self.stage: str | None = None  # set: metadata and result are checked against the stage's contract
-        self.tracker: Tracker = Tracker()  # training curves for TensorBoard & co (tracker.py); none by default
+        # training curves for TensorBoard & co (training/tracker.py: `scalars`, `close`); none by default
+        self.tracker = None
         # under a data-parallel launch: rank 0 speaks JSON lines for the launcher to relay, others are quiet
         self._relay = os.environ.get("EAGLE3_REPORT_JSONL") == "1"
         self._quiet = self._relay and os.environ.get("RANK", "0") != "0"
@@ -61,7 +62,7 @@ class Reporter:
 
     def scalars(self, step: int, **values: float) -> None:
         """Figures along a run (loss, accuracy, lr) for the experiment tracker; Dagster gets the metadata."""
-        if not self._quiet:
+        if self.tracker is not None and not self._quiet:
             self.tracker.scalars(step, values)
 
     def materialize(self, metadata: dict[str, Any], data_version: str | None = None) -> None:
@@ -119,7 +120,7 @@ class Progress:
         self.start = self._last = time.monotonic()
         # The bar goes to stderr: a terminal shows it; under Dagster it lands in the step's compute log.
         self._bar = tqdm(total=total, unit=unit[:-1] if unit.endswith("s") else unit, unit_scale=True,
-                         desc=what, file=sys.stderr, disable=os.environ.get("EAGLE3_NO_BAR") == "1" or reporter._quiet,
+                         desc=what, file=sys.stderr, disable=os.environ.get(NO_BAR_ENV) == "1" or reporter._quiet,
                          mininterval=1.0)
 
     def update(self, n: int, tokens: int = 0) -> None:

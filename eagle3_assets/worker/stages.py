@@ -1,6 +1,6 @@
-"""The stage registry: name -> module with `run(workdir, args, reporter)`. Imported lazily so that
-`--help` and argument errors do not pay for importing torch; `run_stage` is the one way in, arguments
-checked against the stage's contract (eagle3_assets/stages) first."""
+"""The stage registry: name -> module with `run(workdir, args, reporter)` (`args`: the stage's Args model).
+Imported lazily so that `--help` and argument errors do not pay for importing torch; `run_stage` is the one
+way in, arguments checked against the stage's contract (eagle3_assets/stages) first."""
 
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ def _lazy(module: str):
 
 
 STAGES = {
-    "prepare_target": _lazy("target"),
-    "generate": _lazy("generate"),
-    "extract": _lazy("extract"),
-    "vocab": _lazy("vocab"),
-    "train": _lazy("train"),
-    "export": _lazy("export"),
-    "speculate": _lazy("speculate"),
-    "serve_bench": _lazy("serve_bench"),
-    "engine_check": _lazy("engine_check"),
+    "prepare_target": _lazy("target.prepare"),
+    "generate": _lazy("data.generate"),
+    "vocab": _lazy("data.vocab"),
+    "extract": _lazy("hidden_states.extract"),
+    "train": _lazy("training.trainer"),
+    "export": _lazy("serving.export"),
+    "speculate": _lazy("serving.speculate"),
+    "serve_bench": _lazy("serving.bench"),
+    "engine_check": _lazy("serving.engine_check"),
 }
 
 
 def run_stage(stage: str, workdir: str, raw_args: dict, reporter) -> None:
-    """Validate the arguments (ArgsError names each bad one), fill in the defaults, run the stage."""
+    """Validate the arguments (ArgsError names each bad one), fill in the defaults, run the stage with its
+    contract's Args model."""
     STAGES[stage](workdir, validate(stage, raw_args), reporter)

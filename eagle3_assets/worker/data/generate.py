@@ -9,15 +9,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import engines
-from .chat import render, tokenize_conversation
-from .errors import StageError
-from .files import atomic_file, require_file, resolve, sha256_file
-from .target import load_model, load_tokenizer
+from ...common import engines
+from ..errors import StageError
+from ..files import atomic_file, require_file, resolve, sha256_file
+from ..target.chat import render, tokenize_conversation
+from ..target.model import load_model, load_tokenizer
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.generate import GenerateArgs
 
 SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -74,12 +78,12 @@ def _prompt_ids(tok, messages: list[dict], s: Sampling) -> tuple[list[int], bool
 
 
 @contextmanager
-def hf_backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> Iterator:
+def hf_backend(workdir: str, args: GenerateArgs, target, tok, s: Sampling, reporter) -> Iterator:
     """Batched `generate` in this process, batches of similar lengths (less padding)."""
     import torch
 
     torch.manual_seed(s.seed)
-    model = load_model(target, args["dtype"], args["device"])
+    model = load_model(target, args.dtype, args.device)
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
@@ -117,22 +121,22 @@ def server_backend(engine_name: str):
     regenerated."""
 
     @contextmanager
-    def backend(workdir: str, args: dict, target, tok, s: Sampling, reporter) -> Iterator:
-        from .engines import load
-        from .engines.server import EngineServer, check_support, free_port
+    def backend(workdir: str, args: GenerateArgs, target, tok, s: Sampling, reporter) -> Iterator:
+        from ..engines import load
+        from ..engines.server import EngineServer, check_support, free_port
 
         engine = engines.get(engine_name)
-        python = args["engine_python"] or sys.executable
+        python = args.engine_python or sys.executable
         check_support(engine, python, target)
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
-                                     dtype=args["dtype"], max_model_len=s.max_prompt_tokens + s.max_new,
-                                     seed=s.seed, extra=list(args["extra_args"] or []))
-        env = {**engine.SERVER_ENV, **{str(k): str(v) for k, v in (args["env"] or {}).items()}}
-        log = resolve(workdir, args["out"]).parent / f"server-{engine_name}.log"
+                                     dtype=args.dtype, max_model_len=s.max_prompt_tokens + s.max_new,
+                                     seed=s.seed, extra=list(args.extra_args or []))
+        env = {**engine.SERVER_ENV, **{str(k): str(v) for k, v in (args.env or {}).items()}}
+        log = resolve(workdir, args.out).parent / f"server-{engine_name}.log"
         with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
                           health=engine.HEALTH) as server:
             reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
-            ready = server.wait_ready(float(args["ready_timeout_s"]), reporter)
+            ready = server.wait_ready(float(args.ready_timeout_s), reporter)
             reporter.log(f"{engine_name} ready after {ready:.0f} s")
 
             def complete(prompts: list[list[dict]], prog) -> list[Reply]:
@@ -156,28 +160,28 @@ def server_backend(engine_name: str):
 BACKENDS = {"hf": hf_backend, **{name: server_backend(name) for name in engines.NAMES}}
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    prompts = require_file(resolve(workdir, args["prompts"]), "training prompts",
+def run(workdir: str, args: GenerateArgs, reporter) -> None:
+    prompts = require_file(resolve(workdir, args.prompts), "training prompts",
                            "materialize the prompts asset first")
-    out = resolve(workdir, args["out"])
+    out = resolve(workdir, args.out)
     rows = pq.read_table(prompts).to_pylist()
-    if args["limit"]:
-        rows = rows[: int(args["limit"])]
+    if args.limit:
+        rows = rows[: int(args.limit)]
     if not rows:
         raise StageError(f"{prompts} holds no conversations: add prompt sources to the prompts asset")
-    backend = args["backend"]
+    backend = args.backend
     if backend not in BACKENDS:
         raise StageError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    s = Sampling(max_new=int(args["max_new_tokens"]), temperature=float(args["temperature"]),
-                 top_p=float(args["top_p"]), seed=int(args["seed"]),
-                 batch_size=int(args["batch_size"]), max_prompt_tokens=int(args["max_prompt_tokens"]))
+    s = Sampling(max_new=int(args.max_new_tokens), temperature=float(args.temperature),
+                 top_p=float(args.top_p), seed=int(args.seed),
+                 batch_size=int(args.batch_size), max_prompt_tokens=int(args.max_prompt_tokens))
     max_new, temperature, top_p, max_prompt_tokens = s.max_new, s.temperature, s.top_p, s.max_prompt_tokens
-    target = resolve(workdir, args["target"])
+    target = resolve(workdir, args.target)
     tok = load_tokenizer(target)
-    from .compute_dtype import choice, host_device, line
+    from ..compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args["dtype"], host_device(args["device"]))
-    args = {**args, "dtype": dtype_info["dtype"]}
+    dtype_info = choice(args.dtype, host_device(args.device))
+    args = args.model_copy(update={"dtype": dtype_info["dtype"]})
     reporter.log(line(dtype_info))
 
     convs = [_Conv(r) for r in rows]
@@ -227,7 +231,7 @@ def run(workdir: str, args: dict, reporter) -> None:
         "loss_tokens": sum(r["num_loss_tokens"] for r in records),
         **dtype_info,
         "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new,
-                     "seed": int(args["seed"]), "max_prompt_tokens": max_prompt_tokens},
+                     "seed": int(args.seed), "max_prompt_tokens": max_prompt_tokens},
     }
     reporter.materialize(metadata=meta, data_version=version)
     reporter.result({"path": str(out), "conversations": len(records), "data_version": version})

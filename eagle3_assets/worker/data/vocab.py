@@ -5,11 +5,16 @@ vLLM and SGLang all use."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow.parquet as pq
 
-from .errors import StageError
-from .files import atomic_file, require_file, resolve, sha256_file
+from ..errors import StageError
+from ..files import atomic_file, require_file, resolve, sha256_file
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.vocab import VocabArgs
 
 
 def build_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -29,17 +34,17 @@ def build_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray
     return used, d2t, t2d
 
 
-def run(workdir: str, args: dict, reporter) -> None:
+def run(workdir: str, args: VocabArgs, reporter) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from .target import load_config, text_config
+    from ..target.model import load_config, text_config
 
-    conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
+    conversations = require_file(resolve(workdir, args.conversations), "regenerated conversations",
                                  "materialize the conversations asset first")
-    out = resolve(workdir, args["out"])
-    vocab = int(text_config(load_config(resolve(workdir, args["target"]))).vocab_size)
-    requested = int(args["draft_vocab_size"])
+    out = resolve(workdir, args.out)
+    vocab = int(text_config(load_config(resolve(workdir, args.target))).vocab_size)
+    requested = int(args.draft_vocab_size)
     if requested <= 0:
         raise StageError(f"draft_vocab_size must be positive, got {requested}")
 

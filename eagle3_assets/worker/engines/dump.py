@@ -11,11 +11,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import StageError
-from .shard_writer import Sample
+from ..errors import StageError
+from ..hidden_states.writer import Sample
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding eagle3_assets/
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.extract import ExtractArgs
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding eagle3_assets/
 
 
 @dataclass
@@ -31,18 +35,18 @@ class EngineRun:
     env: dict
 
 
-def engine_run(engine, target: Path, aux_layers: list[int], num_layers: int, args: dict) -> EngineRun:
+def engine_run(engine, target: Path, aux_layers: list[int], num_layers: int, args: ExtractArgs) -> EngineRun:
     """Ask the engine (a StageError naming what is missing), translate the layer ids, and the environment
     that lets its processes import our code, wherever the worker code was uploaded."""
-    from .engines.server import check_support
+    from .server import check_support
 
-    python = args["engine_python"] or sys.executable
+    python = args.engine_python or sys.executable
     info = check_support(engine, python, target, probe=engine.EXTRACT_PROBE, purpose="extract hidden states")
     ids, cols, final = engine.capture_layers(aux_layers, num_layers)
-    env = {str(k): str(v) for k, v in (args["env"] or {}).items()}
+    env = {str(k): str(v) for k, v in (args.env or {}).items()}
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    return EngineRun(python, info, ids, cols, final, int(args["tensor_parallel_size"]),
-                     int(args["data_parallel_size"]), env)
+    return EngineRun(python, info, ids, cols, final, int(args.tensor_parallel_size),
+                     int(args.data_parallel_size), env)
 
 
 def parts_file(dp_rank: int) -> str:

@@ -11,27 +11,30 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import StageError
-from .files import replace_dir, require_file, resolve
-from .shard_format import (
+from ...common.shard_format import (
     FORMAT,
     FORMAT_V2,
     INDEX,
     LAYER_CONVENTION,
     MANIFEST,
     bytes_per_token,
-    check_aux_layers,
-    check_storage,
     default_aux_layers,
     part_tokens,
     shard_name,
 )
-from .shard_writer import Sample, ShardWriter
-from .target_size import check_fits
+from ..errors import StageError
+from ..files import replace_dir, require_file, resolve
+from ..target.size import check_fits
+from .parts import check_aux_layers, check_storage
+from .writer import Sample, ShardWriter
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.extract import ExtractArgs
 
 
 class HiddenStateCapture:
@@ -39,7 +42,7 @@ class HiddenStateCapture:
     output before the final norm (what the target's norm + lm_head turn into logits)."""
 
     def __init__(self, model, aux_layers: list[int]):
-        from .target import text_decoder
+        from ..target.model import text_decoder
 
         self.base = text_decoder(model)  # a wrapper's (Kimi-K2.5's) text decoder, not its vision tower
         layers = self.base.layers
@@ -159,29 +162,29 @@ def load_samples(conversations: Path, shard: int, samples_per_shard: int, max_le
     return samples, truncated
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    from . import engines
-    from .target import load_config, load_model, pick_device, text_config
+def run(workdir: str, args: ExtractArgs, reporter) -> None:
+    from ...common import engines
+    from ..target.model import load_config, load_model, pick_device, text_config
 
-    backend = args["backend"]
+    backend = args.backend
     if backend != "hf" and backend not in engines.NAMES:  # hf, or an engine of worker/engines/
         raise StageError(f"backend must be one of {['hf', *engines.NAMES]}, got {backend!r}")
-    shard = int(args["shard"])
-    conversations = require_file(resolve(workdir, args["conversations"]), "regenerated conversations",
+    shard = int(args.shard)
+    conversations = require_file(resolve(workdir, args.conversations), "regenerated conversations",
                                  "materialize the conversations asset first")
-    out_root = resolve(workdir, args["out_dir"])
-    target = resolve(workdir, args["target"])
+    out_root = resolve(workdir, args.out_dir)
+    target = resolve(workdir, args.target)
     cfg = text_config(load_config(target))
     num_layers = int(cfg.num_hidden_layers)
-    aux_layers = list(args["aux_layers"] or default_aux_layers(num_layers))
+    aux_layers = list(args.aux_layers or default_aux_layers(num_layers))
     check_aux_layers(aux_layers, num_layers)
-    from .compute_dtype import choice, host_device, line
+    from ..compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args["dtype"], host_device(args["device"]))
+    dtype_info = choice(args.dtype, host_device(args.device))
     dtype = dtype_info["dtype"]
-    storage = check_storage(args["storage"])
-    samples, truncated = load_samples(conversations, shard, int(args["samples_per_shard"]),
-                                      int(args["max_length"]))
+    storage = check_storage(args.storage)
+    samples, truncated = load_samples(conversations, shard, int(args.samples_per_shard),
+                                      int(args.max_length))
     name = shard_name(shard)
     out_root.mkdir(parents=True, exist_ok=True)
     total = sum(len(s.input_ids) for s in samples)
@@ -192,7 +195,7 @@ def run(workdir: str, args: dict, reporter) -> None:
                          f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
                          f"workdir to a bigger disk")
     if backend == "hf":
-        device = pick_device(args["device"])
+        device = pick_device(args.device)
         check_fits(target, dtype, device)  # before a GB is loaded
     reporter.log(line(dtype_info))
     for stale in out_root.glob(f".tmp-{name}-*"):  # left by a run that died: never complete, safe to drop
@@ -207,9 +210,9 @@ def run(workdir: str, args: dict, reporter) -> None:
             t0 = time.monotonic()
             with reporter.progress(f"extract {name}", total, unit="tokens") as prog:
                 writer = extract_samples(model, samples, tmp, aux_layers,
-                                         batch_tokens=int(args["batch_tokens"]),
-                                         part_bytes=int(args["part_bytes"]),
-                                         io_threads=int(args["io_threads"]), progress=prog,
+                                         batch_tokens=int(args.batch_tokens),
+                                         part_bytes=int(args.part_bytes),
+                                         io_threads=int(args.io_threads), progress=prog,
                                          storage=storage)
             files, index = writer.files, writer.index
             engine = {"engine": "transformers", "engine_version": _version("transformers"),
@@ -219,7 +222,7 @@ def run(workdir: str, args: dict, reporter) -> None:
             reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
                          f"({LAYER_CONVENTION}) + final pre-norm, through {backend}")
             files, index, engine = extract(target, samples, tmp, aux_layers, num_layers,
-                                           {**args, "dtype": dtype, "storage": storage},
+                                           args.model_copy(update={"dtype": dtype, "storage": storage}),
                                            reporter, f"extract {name}")
             engine["dtype"] = dtype
             t0 = time.monotonic() - engine["engine_wall_s"]  # tokens/s counts the engine's work, not its start
@@ -261,7 +264,7 @@ def run(workdir: str, args: dict, reporter) -> None:
 
 def publish_shard(tmp: Path, final_dir: Path, files: list[dict], index: list[dict], fields: dict) -> dict:
     """Index and manifest (written last: a shard without one is never complete), then the atomic move."""
-    from .files import sha256_file
+    from ..files import sha256_file
 
     index = sorted(index, key=lambda r: r["row"])
     pq.write_table(pa.Table.from_pylist(index), tmp / INDEX)

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shard_format import check_storage, quantize_fp8, write_part
+from .parts import check_storage, quantize_fp8, write_part
 
 
 @dataclass

@@ -22,26 +22,30 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import engines
-from .chat import first_turn_prompt
-from .engines import load
-from .engines.server import EngineServer, check_support, free_port
-from .errors import StageError
-from .files import atomic_file, quarantine, require_file, resolve
-from .target import load_tokenizer
+from ...common import engines
+from ..engines import load
+from ..engines.server import EngineServer, check_support, free_port
+from ..errors import StageError
+from ..files import atomic_file, quarantine, require_file, resolve
+from ..target.chat import first_turn_prompt
+from ..target.model import load_tokenizer
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.serve_bench import ServeBenchArgs
 
 
 def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, target: Path) -> dict:
     """Which target layers the engine will feed the draft (read from the export as served, in our
     output-of-layer convention) and which the drafter was trained on: the first thing to compare when
     acceptance collapses."""
-    from .checkpoint import aux_ids_from_config
+    from ..target.model import load_config, text_config
+    from ..training.checkpoint import aux_ids_from_config
     from .export import engine_capture_layers
-    from .target import load_config, text_config
 
     tc = text_config(load_config(target))  # a wrapper's (Kimi's) text model
     layers = int(tc.num_hidden_layers)
@@ -75,17 +79,17 @@ def measure(engine, server: EngineServer, requests: list, concurrency: int, max_
     return figures, responses
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    engine = engines.get(args["engine"])
-    python = args["engine_python"] or sys.executable
-    target = resolve(workdir, args["target"])
-    drafter = resolve(workdir, args["drafter"])
-    prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
-    k, max_new = int(args["num_speculative_tokens"]), int(args["max_new_tokens"])
-    concurrencies = [int(c) for c in args["concurrencies"]]
-    out_dir = resolve(workdir, args["out_dir"])
+def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
+    engine = engines.get(args.engine)
+    python = args.engine_python or sys.executable
+    target = resolve(workdir, args.target)
+    drafter = resolve(workdir, args.drafter)
+    prompts_path = require_file(resolve(workdir, args.prompts), "eval prompts", "materialize the prompts asset first")
+    k, max_new = int(args.num_speculative_tokens), int(args.max_new_tokens)
+    concurrencies = [int(c) for c in args.concurrencies]
+    out_dir = resolve(workdir, args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    history = resolve(workdir, args["history"])
+    history = resolve(workdir, args.history)
     moved: list[str] = []
     read_history(history, reporter, moved)  # in seconds, before any server: not after every measurement
 
@@ -94,21 +98,21 @@ def run(workdir: str, args: dict, reporter) -> None:
     reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
                  f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
     tok = load_tokenizer(target)
-    rows = pq.read_table(prompts_path).to_pylist()[: int(args["limit"] or 10**9)]
+    rows = pq.read_table(prompts_path).to_pylist()[: int(args.limit or 10**9)]
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     requests = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
-    env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args["env"] or {}).items()}}
-    from .compute_dtype import choice, host_device, line
+    env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args.env or {}).items()}}
+    from ..compute_dtype import choice, host_device, line
 
-    dtype_info = choice(args["dtype"], host_device())
+    dtype_info = choice(args.dtype, host_device())
     reporter.log(line(dtype_info))
-    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args["max_model_len"]),
-                  seed=int(args["seed"]), extra=list(args["extra_args"] or []))
-    timeout = float(args["ready_timeout_s"])
+    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.max_model_len),
+                  seed=int(args.seed), extra=list(args.extra_args or []))
+    timeout = float(args.ready_timeout_s)
 
     plans = [("eagle3", levels) for levels in engine.server_plan(concurrencies)]
-    if args["baseline"]:
+    if args.baseline:
         plans.append(("baseline", concurrencies))
     results: dict[tuple[str, int], dict] = {}
     texts: dict[str, dict[str, str]] = {}
@@ -136,8 +140,8 @@ def run(workdir: str, args: dict, reporter) -> None:
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
     summary["metadata"].update(dtype_info)
-    summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args["trained_drafter"])
-                                            if args["trained_drafter"] else None, target))
+    summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)
+                                            if args.trained_drafter else None, target))
     append_history(history, summary["rows"], reporter, moved)
     meta = summary["metadata"]
     if moved:
@@ -156,15 +160,15 @@ def _write_requests(path: Path, responses: list) -> None:
 
 def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
     rows, meta = [], {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
-                      "checkpoint": args["checkpoint"], "prompt_set": args["prompt_set"],
-                      "max_new_tokens": int(args["max_new_tokens"]), "requests": None}
+                      "checkpoint": args.checkpoint, "prompt_set": args.prompt_set,
+                      "max_new_tokens": int(args.max_new_tokens), "requests": None}
     for c in concurrencies:
         spec, base = results.get(("eagle3", c), {}), results.get(("baseline", c))
         meta["requests"] = spec.get("requests")
         speedup = spec["output_tokens_per_s"] / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None
-        row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args["checkpoint"],
-               "prompt_set": args["prompt_set"], "num_speculative_tokens": k, "concurrency": c,
-               "max_new_tokens": int(args["max_new_tokens"]), "requests": spec.get("requests"),
+        row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args.checkpoint,
+               "prompt_set": args.prompt_set, "num_speculative_tokens": k, "concurrency": c,
+               "max_new_tokens": int(args.max_new_tokens), "requests": spec.get("requests"),
                "acceptance_length": spec.get("acceptance_length"), "acceptance_rate": spec.get("acceptance_rate"),
                "acceptance_per_pos": spec.get("acceptance_per_pos"),
                "output_tokens_per_s": spec.get("output_tokens_per_s"),

@@ -5,23 +5,27 @@ EAGLE-3 (`serve`) or extract hidden states (`extract`) for the target, without s
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from . import engines
-from .errors import StageError
-from .files import resolve
+from ...common import engines
+from ..errors import StageError
+from ..files import resolve
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.engine_check import EngineCheckArgs
 
 PURPOSES = {"serve": "serve EAGLE-3", "extract": "extract hidden states"}
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    from .engines.server import check_support
+def run(workdir: str, args: EngineCheckArgs, reporter) -> None:
+    from ..engines.server import check_support
 
-    engine = engines.get(args["engine"])
-    purpose = args["purpose"]
+    engine = engines.get(args.engine)
+    purpose = args.purpose
     if purpose not in PURPOSES:
         raise StageError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
     probe = {"serve": engine.SUPPORT_PROBE, "extract": engine.EXTRACT_PROBE}[purpose]
-    info = check_support(engine, args["engine_python"] or sys.executable, resolve(workdir, args["target"]),
+    info = check_support(engine, args.engine_python or sys.executable, resolve(workdir, args.target),
                          probe=probe, purpose=PURPOSES[purpose])
     reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "
                  f"({info.get('model_class', '?')})")

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import engines
-from .checkpoint import ARCH, aux_ids_from_config, config_dict, load_drafter_dir, weights_hash
-from .errors import StageError
-from .files import replace_dir, require_file, resolve
-from .shard_format import default_aux_layers
-from .target import load_config, text_config
+from ...common import engines
+from ...common.shard_format import default_aux_layers
+from ..errors import StageError
+from ..files import replace_dir, require_file, resolve
+from ..target.model import load_config, text_config
+from ..training.checkpoint import ARCH, aux_ids_from_config, config_dict, load_drafter_dir, weights_hash
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.export import ExportArgs
 
 # speculators-era flags that the plain EAGLE-3 layer of these engines does not implement
 _FOREIGN_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "sliding_window")
@@ -91,11 +95,11 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
             "bytes": sum(p.stat().st_size for p in out.iterdir()), **checked}
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    src = resolve(workdir, args["drafter"])
-    out = resolve(workdir, args["out"])
-    tc = text_config(load_config(resolve(workdir, args["target"])))
-    dialects = args["dialects"] or list(engines.NAMES)
+def run(workdir: str, args: ExportArgs, reporter) -> None:
+    src = resolve(workdir, args.drafter)
+    out = resolve(workdir, args.out)
+    tc = text_config(load_config(resolve(workdir, args.target)))
+    dialects = args.dialects or list(engines.NAMES)
     unknown = [x for x in dialects if x not in engines.NAMES]
     if unknown:
         raise StageError(f"unknown export dialects {unknown}; choose from {list(engines.NAMES)}")

@@ -6,18 +6,22 @@ output equals the target's own greedy output token for token."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 import torch
 
-from .chat import first_turn_prompt
-from .checkpoint import load_drafter_dir
-from .drafter import Eagle3Drafter
-from .errors import StageError
-from .extract import HiddenStateCapture
-from .files import require_file, resolve
-from .target import load_model, load_tokenizer, text_config
-from .target_head import load_target_head
+from ..errors import StageError
+from ..files import require_file, resolve
+from ..hidden_states.extract import HiddenStateCapture
+from ..target.chat import first_turn_prompt
+from ..target.head import load_target_head
+from ..target.model import load_model, load_tokenizer, text_config
+from ..training.checkpoint import load_drafter_dir
+from ..training.drafter import Eagle3Drafter
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.speculate import SpeculateArgs
 
 
 class ChainSpeculator:
@@ -93,15 +97,15 @@ def first_non_greedy(target, prompt: list[int], out: list[int], tol: float) -> i
     return int(bad[0, 0]) if len(bad) else None
 
 
-def run(workdir: str, args: dict, reporter) -> None:
-    target_dir = resolve(workdir, args["target"])
-    prompts_path = require_file(resolve(workdir, args["prompts"]), "eval prompts", "materialize the prompts asset first")
-    drafter_dir = resolve(workdir, args["drafter"])
-    device = args["device"]
+def run(workdir: str, args: SpeculateArgs, reporter) -> None:
+    target_dir = resolve(workdir, args.target)
+    prompts_path = require_file(resolve(workdir, args.prompts), "eval prompts", "materialize the prompts asset first")
+    drafter_dir = resolve(workdir, args.drafter)
+    device = args.device
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = args["dtype"] or ("bfloat16" if device == "cuda" else "float32")
-    k = int(args["num_speculative_tokens"])
-    max_new = int(args["max_new_tokens"])
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    k = int(args.num_speculative_tokens)
+    max_new = int(args.max_new_tokens)
     if k < 1:
         raise StageError(f"num_speculative_tokens must be at least 1, got {k}")
 
@@ -115,7 +119,7 @@ def run(workdir: str, args: dict, reporter) -> None:
     drafter.to(device=device, dtype=getattr(torch, dtype)).eval()
     spec = ChainSpeculator(target, drafter, k)
 
-    rows = pq.read_table(prompts_path).to_pylist()[: int(args["limit"] or 10**9)]
+    rows = pq.read_table(prompts_path).to_pylist()[: int(args.limit or 10**9)]
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     eos = target.generation_config.eos_token_id

@@ -3,7 +3,7 @@ assistant's tokens, the only positions a drafter is trained to predict)."""
 
 from __future__ import annotations
 
-from .errors import StageError
+from ..errors import StageError
 
 
 def render(tok, messages: list[dict], add_generation_prompt: bool = False) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import StageError
+from ..errors import StageError
 
 # plain causal LMs, transformers v5 multimodal wrappers (`model.language_model.*`), and the original layout
 # of wrappers such as Kimi-K2.5 and llava (`language_model.model.*`, `language_model.lm_head`)

@@ -8,7 +8,7 @@ import os
 import struct
 from pathlib import Path
 
-from .errors import StageError
+from ..errors import StageError
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # compressed-tensors pack-quantized checkpoints (Kimi-K2.5's INT4 experts): int32 words of 8 int4 values,

@@ -22,7 +22,7 @@ try:  # torch >= 2.9; older versions return the log-sum-exp with return_lse
 except ImportError:  # pragma: no cover
     AuxRequest = None
 
-BLOCK = 128  # flex's default tile; the GPU path pads rows to a multiple of it (train_data.collate)
+BLOCK = 128  # flex's default tile; the GPU path pads rows to a multiple of it (training/data.py: collate)
 _compiled: dict = {}  # function -> its compiled form (CUDA only), made on first use
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ...common.shard_format import LAYER_CONVENTION, default_aux_layers
+from ..errors import StageError
+from ..files import hash_files, replace_dir
+from ..target.model import text_config
 from .drafter import DraftConfig
-from .errors import StageError
-from .files import hash_files, replace_dir
-from .shard_format import LAYER_CONVENTION, default_aux_layers
-from .target import text_config
 
 ARCH = "LlamaForCausalLMEagle3"
 _ACCEPTED_ARCHS = {ARCH, "Eagle3LlamaForCausalLM"}
@@ -181,7 +181,7 @@ class AuxIds:
 def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
     """The aux layer ids a checkpoint was trained on, where its config keeps them and in whose convention
     (`model_type`: the target's text model, whose SGLang class may read eagle_config's ids its own way)."""
-    from . import engines
+    from ...common import engines
 
     found = []
     for field, convention, offset in _ID_FIELDS:
@@ -204,7 +204,7 @@ def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
 
 
 def _readers(field: str) -> str:
-    from . import engines
+    from ...common import engines
 
     return "/".join(e.TITLE for e in engines.reading(field)) or "another reader"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .files import replace_dir, write_json
+from ..files import replace_dir, write_json
 
 
 def _to_host(x, pinned: bool):

@@ -17,9 +17,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from .errors import StageError
-from .files import sha256_file
-from .shard_format import INDEX, dequantize_fp8, read_manifest
+from ...common.shard_format import INDEX, read_manifest
+from ..errors import StageError
+from ..files import sha256_file
+from ..hidden_states.parts import dequantize_fp8
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,18 @@ process, which holds the Pipes connection, relays them, so Dagster sees one stag
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import StageError
-from .report import relayed
+from ..errors import StageError
+from ..report import relayed
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.train import TrainArgs
 
 RELAY_ENV = "EAGLE3_REPORT_JSONL"
 
@@ -72,14 +75,15 @@ class Group:
             dist.barrier()
 
 
-def launch(workdir: str, args: dict, reporter, n: int) -> None:
+def launch(workdir: str, args: TrainArgs, reporter, n: int) -> None:
     """Run the `train` stage on n processes and relay rank 0's reports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
     env[RELAY_ENV] = "1"
     # torchrun starts the ranks; accelerate's PartialState (in Group) joins them into a process group on the
     # right device and backend (NCCL on GPUs, gloo on CPU).
+    rank_args = args.model_copy(update={"num_processes": 1}).model_dump_json()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "eagle3_assets.worker", "train", "--workdir", workdir, "--args", json.dumps({**args, "num_processes": 1})]
+           "-m", "eagle3_assets.worker", "train", "--workdir", workdir, "--args", rank_args]
     reporter.log(f"launching data-parallel training on {n} processes: {' '.join(cmd[:8])} ...")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     error = None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .train_data import ShardSet, collate, plan_batches
+from .data import ShardSet, collate, plan_batches
 from .ttt_loss import draft_index, gpu_path, ttt_loss
 
 
@@ -57,7 +57,7 @@ def bf16_compute(device: str, precision: str = "auto") -> bool:
     where it doubles training speed; `precision` fp32 or bf16 forces it."""
     if precision != "auto":
         return precision == "bf16"
-    from .compute_dtype import cpu
+    from ..compute_dtype import cpu
 
     return device.startswith("cuda") or cpu()["cpu_bf16"]
 
@@ -92,7 +92,7 @@ def host_batch(data, rows, row_tokens: int, labels=None, loss_on: str = "respons
 
 def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str = "responses",
              rows_per_batch: int = 1) -> dict:
-    """A batch on `device`; on the GPU path padded to its fixed shape (`train_data.batch_shape`)."""
+    """A batch on `device`; on the GPU path padded to its fixed shape (data.py: `batch_shape`)."""
     fast = gpu_path(device)
     batch = host_batch(data, rows, row_tokens, labels, loss_on, rows_per_batch, pad=fast, pin=fast)
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -103,10 +103,10 @@ def heldout_acceptance(target: Path, drafter_dir: Path, shard_dirs: list[Path], 
     """Teacher-forced chain acceptance of a saved drafter on hidden-state shards, replies only, on the CPU: the
     figure `train` reports per epoch, recomputed from the saved weights. `first_tokens`: only each reply's
     first N tokens count (what a serving benchmark of N new tokens drafts on)."""
+    from ..target.head import load_target_head
+    from ..target.model import load_config, text_config
     from .checkpoint import load_drafter_dir
     from .drafter import Eagle3Drafter
-    from .target import load_config, text_config
-    from .target_head import load_target_head
 
     tc = text_config(load_config(target))
     head = load_target_head(target, tc.rms_norm_eps).float()

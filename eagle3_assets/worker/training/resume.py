@@ -6,30 +6,36 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..stages.train import HYPERPARAMETERS
-from .files import hash_files, sha256_file
-from .target import weight_files
-from .train_data import ShardSet
+from ...stages.train import HYPERPARAMETERS
+from ..files import hash_files, sha256_file
+from ..target.model import weight_files
+from .data import ShardSet
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.train import TrainArgs
 
 # The modules whose code decides the trained weights: a change to any of them invalidates a checkpoint.
-TRAINING_CODE = ("train", "train_data", "train_schedule", "train_eval", "ttt_loss", "drafter", "chain_attention",
-                 "target_head", "distributed", "checkpoint")
+# (paths under worker/)
+TRAINING_CODE = ("training/trainer", "training/data", "training/schedule", "training/evaluate", "training/ttt_loss",
+                 "training/drafter", "training/chain_attention", "target/head", "training/distributed",
+                 "training/checkpoint")
 
 
-def fingerprint(hp: dict, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
+def fingerprint(hp: TrainArgs, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
                 init_dir: Path | None, pack_window: int = 1) -> dict:
     """What a checkpoint's run was made of, by content, one entry per input (so a mismatch can be named).
     Cheap: shard contents by the hashes their manifests record (verified against the files by ShardSet),
     the target's and a finetune start's weights by `hash_files` (cached beside each file), the vocab file
     (a few MB) read once."""
-    here = Path(__file__).parent
+    worker = Path(__file__).resolve().parent.parent
     code = hashlib.sha256(torch.__version__.encode())
     for m in TRAINING_CODE:
-        code.update((here / f"{m}.py").read_bytes())
-    fp = {"hyperparameters": {**{k: hp[k] for k in HYPERPARAMETERS}, "bf16_compute": bool(bf16),
+        code.update((worker / f"{m}.py").read_bytes())
+    fp = {"hyperparameters": {**{k: getattr(hp, k) for k in HYPERPARAMETERS}, "bf16_compute": bool(bf16),
                               **({"pack_window": pack_window} if pack_window != 1 else {})},
           "training code": code.hexdigest()[:32],
           "target weights": hash_files(weight_files(target))[:32],

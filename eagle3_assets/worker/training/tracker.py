@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import StageError
+from ..errors import StageError
 
 
 class Tracker:

@@ -29,25 +29,29 @@ import math
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..stages.train import HYPERPARAMETERS
-from . import charts
+from ...common import charts
+from ...stages.train import HYPERPARAMETERS
+from ..compute_dtype import cpu as cpu_info
+from ..errors import StageError
+from ..files import resolve
+from ..target.head import load_target_head
+from ..target.model import load_config, text_config
 from .checkpoint_writer import CheckpointWriter
-from .compute_dtype import cpu as cpu_info
+from .data import ShardSet, batch_tokens, plan_batches
 from .drafter import DraftConfig, Eagle3Drafter, init_weights
-from .errors import StageError
-from .files import resolve
+from .evaluate import autocast, bf16_compute, evaluate, host_batch, simulated_acceptance_length, target_labels
 from .prefetch import Prefetcher
-from .target import load_config, text_config
-from .target_head import load_target_head
+from .resume import fingerprint, resumable_state
+from .schedule import CALIBRATION_STEPS, lr_lambda, plan_budget, recheck_budget, replan
 from .tracker import open_tracker
-from .train_data import ShardSet, batch_tokens, plan_batches
-from .train_eval import autocast, bf16_compute, evaluate, host_batch, simulated_acceptance_length, target_labels
-from .train_resume import fingerprint, resumable_state
-from .train_schedule import CALIBRATION_STEPS, lr_lambda, plan_budget, recheck_budget, replan
 from .ttt_loss import compile_on, draft_index, gpu_path, ttt_loss
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.train import TrainArgs
 
 PACK_WINDOW = 8  # GPU path: open rows a sample may go into (first fit), for fuller fixed-shape rows
 FINITE_CHECK_EVERY = 50  # GPU path: steps between reads of the non-finite-loss flag (each read is a host sync)
@@ -72,20 +76,20 @@ def _sync(device: str) -> None:
 class Trainer:
     """One training run of the `train` stage (args validated against stages.train.TrainArgs)."""
 
-    def __init__(self, workdir: str, args: dict, reporter):
+    def __init__(self, workdir: str, args: TrainArgs, reporter):
         from .distributed import Group
 
         self.workdir, self.args, self.reporter = workdir, args, reporter
-        self.hp = dict(args)  # num_layers may be replaced by a finetune's own
-        self.out = resolve(workdir, args["out"])
-        self.target = resolve(workdir, args["target"])
+        self.hp = args  # num_layers may be replaced by a finetune's own (a copy, below)
+        self.out = resolve(workdir, args.out)
+        self.target = resolve(workdir, args.target)
         self.tc = text_config(load_config(self.target))
-        device = args["device"]
+        device = args.device
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.group = Group(device)
         self.device = self.group.device
         self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        self.bf16 = bf16_compute(self.device, str(self.hp["precision"]))
+        self.bf16 = bf16_compute(self.device, str(self.hp.precision))
         self.fast = gpu_path(self.device)
         self.ckpts = self.out / "checkpoints"
         self.writer = CheckpointWriter()
@@ -96,8 +100,8 @@ class Trainer:
         if self.group.is_main:
             where = "" if device.startswith("cuda") else f" on {cpu_info()['cpu']} ({', '.join(cpu_info()['cpu_isa'])})"
             reporter.log(f"training in {'bf16 autocast (fp32 master weights)' if self.bf16 else 'float32'} "
-                         f"(precision {hp['precision']}){where}")
-        torch.manual_seed(int(hp["seed"]))
+                         f"(precision {hp.precision}){where}")
+        torch.manual_seed(int(hp.seed))
         if device == "cpu":
             torch.use_deterministic_algorithms(True)
         self.head = load_target_head(self.target, self.tc.rms_norm_eps)
@@ -114,10 +118,10 @@ class Trainer:
         from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids
 
         args, tc = self.args, self.tc
-        shard_dirs = [resolve(self.workdir, s) for s in args["shards"]]
+        shard_dirs = [resolve(self.workdir, s) for s in args.shards]
         self.init_dir = self.vocab_path = self.weights = None
-        if args["init_from"]:
-            self.init_dir = resolve(self.workdir, args["init_from"])
+        if args.init_from:
+            self.init_dir = resolve(self.workdir, args.init_from)
             self.cfg, self.weights = load_drafter_dir(self.init_dir, tc)
             ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
                                tc.model_type)
@@ -125,26 +129,27 @@ class Trainer:
             check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids)  # before a single step
             self.reporter.log(f"finetuning {self.init_dir}: its draft vocab ({self.cfg.draft_vocab_size}), aux layers "
                               f"{ids.describe()} and {self.cfg.num_hidden_layers} draft layer(s) are reused")
-            self.hp["num_layers"] = self.cfg.num_hidden_layers  # what is trained, in the metadata and fingerprint
+            # what is trained, in the metadata and fingerprint
+            self.hp = self.hp.model_copy(update={"num_layers": self.cfg.num_hidden_layers})
             return
         from safetensors.torch import load_file
 
-        self.vocab_path = resolve(self.workdir, args["vocab"])
+        self.vocab_path = resolve(self.workdir, args.vocab)
         vocab = load_file(str(self.vocab_path))
         self.d2t, self.t2d = d2t, t2d = vocab["d2t"], vocab["t2d"]
         if t2d.shape[0] != tc.vocab_size:
-            raise StageError(f"vocab mapping {args['vocab']}: field t2d covers {t2d.shape[0]} target ids but the "
+            raise StageError(f"vocab mapping {args.vocab}: field t2d covers {t2d.shape[0]} target ids but the "
                              f"target vocab has {tc.vocab_size}: it was built for another model; rematerialize "
                              "vocab_mapping")
         if int((torch.arange(d2t.shape[0]) + d2t).max()) >= tc.vocab_size or int(t2d.sum()) != d2t.shape[0]:
-            raise StageError(f"vocab mapping {args['vocab']}: d2t and t2d disagree (d2t maps to ids outside the "
+            raise StageError(f"vocab mapping {args.vocab}: d2t and t2d disagree (d2t maps to ids outside the "
                              "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
         self.data = ShardSet(shard_dirs, tc.hidden_size)
         self.cfg = DraftConfig.from_target(tc, d2t.shape[0], self.data.aux_layer_ids)
-        if not 1 <= int(self.hp["num_layers"]) <= tc.num_hidden_layers:
+        if not 1 <= int(self.hp.num_layers) <= tc.num_hidden_layers:
             raise StageError(f"num_layers must be between 1 and the target's {tc.num_hidden_layers} layers, got "
-                             f"{self.hp['num_layers']}")
-        self.cfg.num_hidden_layers = int(self.hp["num_layers"])
+                             f"{self.hp.num_layers}")
+        self.cfg.num_hidden_layers = int(self.hp.num_layers)
 
     def _build_model(self) -> None:
         hp, cfg, head, device = self.hp, self.cfg, self.head, self.device
@@ -153,20 +158,20 @@ class Trainer:
             init_weights(model)
             model.d2t.copy_(self.d2t)
             model.t2d.copy_(self.t2d)
-            if hp["init_head"] == "target":  # the target's own final norm and output rows: a head that already
+            if hp.init_head == "target":  # the target's own final norm and output rows: a head that already
                 with torch.no_grad():         # speaks its vocab, fed a hidden state like the target's last one
                     model.lm_head.weight.copy_(head.lm_head[torch.arange(cfg.draft_vocab_size) + self.d2t].float())
                     model.norm.weight.copy_(head.norm_weight.float())
         else:
             missing, unexpected = model.load_state_dict(self.weights, strict=False)
             assert set(missing) <= {"embed_tokens.weight", "aux_scale"} and not unexpected, (missing, unexpected)
-        if hp["init_layer"] is not None and self.weights is None:
+        if hp.init_layer is not None and self.weights is None:
             self._init_layers_from_target()
-        scale = aux_rms_scale(self.data, self.tc.hidden_size) if hp["aux_scale"] == "rms" or hp["noise_std"] else None
-        if hp["aux_scale"] == "rms" and self.weights is None:
+        scale = aux_rms_scale(self.data, self.tc.hidden_size) if hp.aux_scale == "rms" or hp.noise_std else None
+        if hp.aux_scale == "rms" and self.weights is None:
             model.aux_scale.copy_(scale)
         # noise relative to each aux layer's typical size
-        self.noise = (float(hp["noise_std"]) / scale).to(device) if hp["noise_std"] else None
+        self.noise = (float(hp.noise_std) / scale).to(device) if hp.noise_std else None
         model.to(device)
         head.to(device=device, dtype=self.dtype)
         if self.fast and self.bf16:  # the frozen embeddings are only ever read as bf16 there: half the memory
@@ -175,18 +180,18 @@ class Trainer:
             model.compile_layers()
         for p in model.embed_tokens.parameters():
             p.requires_grad_(False)
-        model.lm_head.weight.requires_grad_(bool(hp["train_lm_head"]))
+        model.lm_head.weight.requires_grad_(bool(hp.train_lm_head))
 
     def _init_layers_from_target(self) -> None:
         """The draft's n layers from n consecutive target layers ending at init_layer (-1: the last)."""
+        from ..target.head import load_target_layer
         from .drafter import LLAMA_LAYER_TENSORS, init_extra_layer, init_from_target_layer
-        from .target_head import load_target_layer
 
         model, tc = self.model, self.tc
-        last = int(self.hp["init_layer"]) % tc.num_hidden_layers
+        last = int(self.hp.init_layer) % tc.num_hidden_layers
         first = last - len(model.layers)
         if first < 0:
-            raise StageError(f"init_layer {self.hp['init_layer']} leaves no room for {self.cfg.num_hidden_layers} "
+            raise StageError(f"init_layer {self.hp.init_layer} leaves no room for {self.cfg.num_hidden_layers} "
                              f"draft layers before it: use an init_layer of at least {self.cfg.num_hidden_layers - 1}, "
                              "or -1")
         at_random = {k: v.clone() for k, v in model.state_dict().items()}
@@ -208,21 +213,21 @@ class Trainer:
         with self.reporter.progress("target labels", len(self.data.refs), unit="samples") as prog, \
                 autocast(device, self.bf16):
             self.labels = target_labels(self.data, self.head, to_draft, device, self.dtype, progress=prog)
-        self.row_tokens, self.rows_per = row_tokens, rows_per = int(hp["row_tokens"]), int(hp["rows_per_batch"])
+        self.row_tokens, self.rows_per = row_tokens, rows_per = int(hp.row_tokens), int(hp.rows_per_batch)
         # Where rows are padded to a fixed shape (the GPU path) a fuller row is cheaper; on the CPU a batch is
         # only as long as its longest row, and next-fit keeps the plans the CPU recipes were tuned on.
         self.window = window = PACK_WINDOW if self.fast else 1
         self.held = None
-        if self.args["eval_shards"]:  # held-out hidden states: acceptance on data the drafter never saw, per epoch
-            held_data = ShardSet([resolve(self.workdir, s) for s in self.args["eval_shards"]], self.tc.hidden_size,
+        if self.args.eval_shards:  # held-out hidden states: acceptance on data the drafter never saw, per epoch
+            held_data = ShardSet([resolve(self.workdir, s) for s in self.args.eval_shards], self.tc.hidden_size,
                                  self.cfg.aux_layer_ids)
             with autocast(device, self.bf16):
                 held_labels = target_labels(held_data, self.head, to_draft, device, self.dtype)
             self.held = (held_data, held_labels, plan_batches([r.length for r in held_data.refs], 0, 0, row_tokens,
                                                               rows_per, window))
         self.lengths = [r.length for r in self.data.refs]
-        self.plans = [plan_batches(self.lengths, e, int(hp["seed"]), row_tokens, rows_per, window)
-                      for e in range(int(hp["epochs"]))]
+        self.plans = [plan_batches(self.lengths, e, int(hp.seed), row_tokens, rows_per, window)
+                      for e in range(int(hp.epochs))]
         # One optimizer step takes `world` consecutive batches of the plan, one per rank: the same data order
         # for any GPU count.
         self.steps_of = [[plan[i: i + group.world] for i in range(0, len(plan), group.world)] for plan in self.plans]
@@ -235,23 +240,23 @@ class Trainer:
         # layer_lr scales the decoder layers' learning rate (their norms too): started from the target's last
         # layer they must move further than fc, the final norm and lm_head (measured best at 3x)
         layer_ids = {id(p) for m in (model.midlayer, model.layers) for p in m.parameters()}
-        lr = float(hp["lr"])
+        lr = float(hp.lr)
         groups = [{"params": [p for p in params if id(p) not in layer_ids], "lr": lr},
-                  {"params": [p for p in params if id(p) in layer_ids], "lr": lr * float(hp["layer_lr"])}]
-        self.opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=float(hp["weight_decay"]),
+                  {"params": [p for p in params if id(p) in layer_ids], "lr": lr * float(hp.layer_lr)}]
+        self.opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=float(hp.weight_decay),
                                      **({"fused": True} if self.fast else {}))  # one kernel per step on the GPU
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(self.total_steps, max(1, int(self.total_steps * hp["warmup_ratio"]))))
+            self.opt, lr_lambda(self.total_steps, max(1, int(self.total_steps * hp.warmup_ratio))))
 
     # ---- resume -----------------------------------------------------------------------------------------
     def resume(self) -> None:
         """Continue this very run's latest checkpoint (same inputs by content, settings and code), or start
         afresh and delete another run's checkpoints: they are never published under this run's inputs."""
         group = self.group
-        self.fp = fingerprint(self.hp, self.bf16, self.target, self.data, [str(s) for s in self.args["shards"]],
+        self.fp = fingerprint(self.hp, self.bf16, self.target, self.data, [str(s) for s in self.args.shards],
                               self.vocab_path, self.init_dir, self.window)
         self.step = 0
-        state = resumable_state(self.ckpts, self.fp, self.device, self.reporter) if self.args["resume"] else None
+        state = resumable_state(self.ckpts, self.fp, self.device, self.reporter) if self.args.resume else None
         group.barrier()  # every rank has decided before rank 0 deletes anything
         self.planned = None  # steps a time budget fits, once planned
         if state is not None:
@@ -262,7 +267,7 @@ class Trainer:
             self.step = state["step"]
             self.planned = state.get("planned_steps")
             if self.planned:  # a time budget's plan holds for the whole run, not re-timed on resume
-                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(self.hp["warmup_ratio"]))
+                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(self.hp.warmup_ratio))
             self.reporter.log(f"resuming from step-{self.step:07d} (step {self.step} of {self.total_steps}): same "
                               "inputs, settings and code")
         elif self.ckpts.exists() and group.is_main:
@@ -270,13 +275,13 @@ class Trainer:
         group.barrier()
         self.resumed_from = self.step
         if group.is_main:
-            self.reporter.tracker = open_tracker(str(self.hp["tracker"]), self.out, self.step)
+            self.reporter.tracker = open_tracker(str(self.hp.tracker), self.out, self.step)
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def measure(self, data, rows_plan, labels, loss_on: str = "responses"):
         # held-out figures always count replies only: that is where an engine drafts
-        return evaluate(self.model, self.head, data, rows_plan, self.row_tokens, int(self.hp["ttt_steps"]),
-                        float(self.hp["step_decay"]), self.dtype, self.device, self.bf16, labels, loss_on,
+        return evaluate(self.model, self.head, data, rows_plan, self.row_tokens, int(self.hp.ttt_steps),
+                        float(self.hp.step_decay), self.dtype, self.device, self.bf16, labels, loss_on,
                         self.rows_per)
 
     def evaluate_heldout(self, epoch: int) -> None:
@@ -303,7 +308,7 @@ class Trainer:
         ends = list(itertools.accumulate(len(p) for p in self.steps_of))
         return StageError(
             f"the training loss is not finite (NaN or inf) at step {at} of {self.total_steps} (epoch "
-            f"{1 + sum(e < at for e in ends)}); nothing was written as the drafter. Lower lr (now {self.hp['lr']}) "
+            f"{1 + sum(e < at for e in ends)}); nothing was written as the drafter. Lower lr (now {self.hp.lr}) "
             f"or max_grad_norm, or set precision fp32; checkpoints up to step {at - 1} are kept"
             + (f" in {self.ckpts}" if self.ckpts.exists() else ""))
 
@@ -321,9 +326,9 @@ class Trainer:
         finite = losses = accs = None
         if batch is not None:
             with autocast(self.device, self.bf16):
-                loss, losses, accs, _, _ = ttt_loss(self.model, self.head, batch, int(hp["ttt_steps"]),
-                                                    float(hp["step_decay"]), self.dtype, self.noise,
-                                                    hp["loss"] == "hard")
+                loss, losses, accs, _, _ = ttt_loss(self.model, self.head, batch, int(hp.ttt_steps),
+                                                    float(hp.step_decay), self.dtype, self.noise,
+                                                    hp.loss == "hard")
             loss.backward()
             finite = torch.isfinite(loss.detach())
         if not self.fast:  # every rank stops together, before the step is applied
@@ -333,7 +338,7 @@ class Trainer:
             self.bad_at = torch.where((self.bad_at == 0) & ~finite, torch.full_like(self.bad_at, self.step + 1),
                                       self.bad_at)
         group.all_reduce_grads(self.params)
-        torch.nn.utils.clip_grad_norm_(self.params, float(hp["max_grad_norm"]))
+        torch.nn.utils.clip_grad_norm_(self.params, float(hp.max_grad_norm))
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -342,7 +347,7 @@ class Trainer:
 
     def _calibrate_budget(self, prog) -> None:
         """A time budget: time the first steps after the warm-up one, then cut the run to the steps that fit."""
-        budget, hp = float(self.hp["time_budget_s"]), self.hp
+        budget, hp = float(self.hp.time_budget_s), self.hp
         if self.step - self.resumed_from == 1:
             _sync(self.device)
             self.t_first = time.monotonic()  # the first step warms up; time the next ones
@@ -351,17 +356,17 @@ class Trainer:
             self.planned = plan_budget(time.monotonic(), self.t0, self.t_first, budget, self.step, self.total_steps,
                                        self.group)
             if self.planned < self.total_steps:
-                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(hp["warmup_ratio"]))
+                self.total_steps = replan(self.steps_of, self.sched, self.planned, float(hp.warmup_ratio))
                 prog.set_total(self.total_steps)
             self.reporter.log(f"time budget {budget:g} s: {self.planned:,} of {self.requested_steps:,} steps "
-                              f"({self.planned / max(self.steps_per_epoch, 1):.1f} of {int(hp['epochs'])} epochs) "
+                              f"({self.planned / max(self.steps_per_epoch, 1):.1f} of {int(hp.epochs)} epochs) "
                               "fit; the learning-rate schedule is planned for those",
                               "warning" if self.planned < self.steps_per_epoch else "info")
 
     def _recheck_budget(self, prog) -> None:
         """At an epoch's end: if the machine got slower since the calibration, cut the later epochs to what
         still fits (before the epoch's checkpoint, which records the plan a resume keeps)."""
-        if not self.hp["time_budget_s"] or self.planned is None or self.resumed_from:
+        if not self.hp.time_budget_s or self.planned is None or self.resumed_from:
             return
         _sync(self.device)
         now = time.monotonic()
@@ -369,14 +374,14 @@ class Trainer:
         self._pace_mark = (now, self.step)
         if self.step <= last_step:
             return
-        fit = recheck_budget(now, self.t0, float(self.hp["time_budget_s"]), self.step, self.total_steps,
+        fit = recheck_budget(now, self.t0, float(self.hp.time_budget_s), self.step, self.total_steps,
                              (now - last_t) / (self.step - last_step), self.group)
         if fit is None:
             return
         self.planned = self.total_steps = replan(self.steps_of, self.sched, max(fit, self.step),
-                                                 float(self.hp["warmup_ratio"]))
+                                                 float(self.hp.warmup_ratio))
         prog.set_total(self.total_steps)
-        self.reporter.log(f"time budget {float(self.hp['time_budget_s']):g} s: the last epoch ran slower than "
+        self.reporter.log(f"time budget {float(self.hp.time_budget_s):g} s: the last epoch ran slower than "
                           f"the calibration; {self.planned:,} steps now fit "
                           f"({self.planned / max(self.steps_per_epoch, 1):.1f} epochs), the schedule replanned",
                           "warning")
@@ -398,19 +403,19 @@ class Trainer:
                     items.append(((epoch, b), group_rows[self.group.rank]))
                 k += 1
         return Prefetcher(items, lambda rows: host_batch(self.data, rows, self.row_tokens, self.labels,
-                                                         str(self.hp["loss_on"]), self.rows_per, pad=self.fast,
+                                                         str(self.hp.loss_on), self.rows_per, pad=self.fast,
                                                          pin=self.fast), self.device)
 
     def fit(self) -> None:
         """Every epoch's steps from the resume point on; held-out evaluation and a checkpoint at each epoch's
         end (and every save_every_steps)."""
         hp, group, device = self.hp, self.group, self.device
-        steps_k = int(hp["ttt_steps"])
+        steps_k = int(hp.ttt_steps)
         # A fixed probe of the training data, measured before and after: did this run teach the drafter?
-        self.probe = self.plans[0][group.rank: int(self.args["probe_batches"]): group.world] if self.plans else []
-        self.before = self.measure(self.data, self.probe, self.labels, str(hp["loss_on"]))
+        self.probe = self.plans[0][group.rank: int(self.args.probe_batches): group.world] if self.plans else []
+        self.before = self.measure(self.data, self.probe, self.labels, str(hp.loss_on))
         self.heldout_curve = {"epoch": [], "acceptance_length": []}
-        save_every = int(hp["save_every_steps"])
+        save_every = int(hp.save_every_steps)
         sum_loss = torch.zeros(steps_k, device=device)  # figures stay on the device until the end: no sync per step
         sum_acc = torch.zeros(steps_k, device=device)
         n_batches, tokens, self.t0 = 0, 0, time.monotonic()
@@ -433,7 +438,7 @@ class Trainer:
                             assert key == (epoch, b), (key, epoch, b)
                         losses, accs = self.train_step(batch)
                         done += 1
-                        if hp["time_budget_s"] and self.planned is None:
+                        if hp.time_budget_s and self.planned is None:
                             self._calibrate_budget(prog)
                         # every rank's real tokens, from the plan: no collective, no sync
                         ntok = sum(batch_tokens(self.lengths, r, self.row_tokens, self.rows_per) for r in group_rows)
@@ -483,7 +488,7 @@ class Trainer:
         from .checkpoint import save_drafter_dir, weights_hash
 
         hp, group, tc, cfg = self.hp, self.group, self.tc, self.cfg
-        after = self.measure(self.data, self.probe, self.labels, str(hp["loss_on"]))
+        after = self.measure(self.data, self.probe, self.labels, str(hp.loss_on))
         final_held = self.measure(self.held[0], self.held[2], self.held[1]) if self.held is not None and \
             group.is_main else None
         model_dir = self.out / "model"
@@ -496,7 +501,7 @@ class Trainer:
                              f"{model_dir}. Lower lr or set precision fp32, and check the hidden-state shards")
         save_drafter_dir(self.model, model_dir, target_info={"path": str(self.target), "model_type": tc.model_type,
                                                              "num_layers": tc.num_hidden_layers})
-        init = self.args["init_from"]
+        init = self.args.init_from
         before, acc, loss_per, curve = self.before, self.acc, self.loss_per, self.curve
         meta = {
             "path": str(model_dir),
@@ -504,14 +509,14 @@ class Trainer:
             "init_from": str(init) if init else "",
             "draft_vocab_size": cfg.draft_vocab_size,
             "aux_layer_ids": cfg.aux_layer_ids,
-            "draft_vocab_source": f"reused from {init}" if init else str(self.args["vocab"]),
-            "epochs": int(hp["epochs"]),
+            "draft_vocab_source": f"reused from {init}" if init else str(self.args.vocab),
+            "epochs": int(hp.epochs),
             "epochs_trained": round(self.step / max(self.steps_per_epoch, 1), 2),
             "steps": self.step,
             "requested_steps": self.requested_steps,
-            "time_budget_s": hp["time_budget_s"],
+            "time_budget_s": hp.time_budget_s,
             "resumed_from_step": self.resumed_from,
-            "ttt_steps": int(hp["ttt_steps"]),
+            "ttt_steps": int(hp.ttt_steps),
             "train_tokens_per_epoch": self.data.tokens,
             "tokens_per_s": round(self.tokens_per_s, 1),
             "wall_s": round(self.wall, 1),
@@ -532,7 +537,7 @@ class Trainer:
                 "heldout_curve": self.heldout_curve} if final_held else {}),
             **{f"acc_{i}": round(a, 5) for i, a in enumerate(acc)},
             **{f"loss_{i}": round(x, 5) for i, x in enumerate(loss_per)},
-            "hyperparameters": {k: hp[k] for k in HYPERPARAMETERS},
+            "hyperparameters": {k: getattr(hp, k) for k in HYPERPARAMETERS},
             "fingerprint": self.fp,
             "training_curve": curve,
             "training_curve_chart": charts.curves({"loss (unroll step 0)": curve["loss_0"],
@@ -547,12 +552,12 @@ class Trainer:
                               "data_version": version, "acc": acc, "loss": loss_per})
 
 
-def run(workdir: str, args: dict, reporter) -> None:
+def run(workdir: str, args: TrainArgs, reporter) -> None:
     """Stage `train` (args: stages.train.TrainArgs, validated, every default filled in)."""
-    if int(args["num_processes"]) > 1 and "RANK" not in os.environ:
+    if int(args.num_processes) > 1 and "RANK" not in os.environ:
         from .distributed import launch
 
-        return launch(workdir, args, reporter, int(args["num_processes"]))
+        return launch(workdir, args, reporter, int(args.num_processes))
     trainer = Trainer(workdir, args, reporter)
     try:
         trainer.setup()
@@ -560,4 +565,6 @@ def run(workdir: str, args: dict, reporter) -> None:
         trainer.fit()
         trainer.publish()
     finally:
-        reporter.tracker.close()
+        if reporter.tracker is not None:
+            reporter.tracker.close()
+            reporter.tracker = None

@@ -1,9 +1,9 @@
 """SGLang: whether the installed version can serve EAGLE-3 for a target, its server command line, its
 accept length, its export dialect (eagle_config's layer ids, read per model class) and its refusals, and
-hidden-state extraction through its model runner (worker/sglang_capture.py). SGLang cannot run on the
+hidden-state extraction through its model runner (capture.py, driven by extract.py). SGLang cannot run on the
 machines this project is tested on: this module is held to SGLang's documented flags and outputs
 (tests/test_engines.py checks both against the release we support). The engine interface is in
-engines/__init__.py (`Engine`).
+eagle3_assets/common/engines.py (`Engine`).
 
 SGLang reports the average accept length cumulatively since the server started (bonus token included, the
 same definition as vLLM's acceptance length), so each measurement gets a fresh server."""
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from . import support_probe
+from ....common.engines import support_probe
 
 NAME = "sglang"
 TITLE = "SGLang"
@@ -96,7 +96,7 @@ FIRST_ID_RULE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", 
 
 def export_layer_ids(ours: list[int], model_type: str) -> list[int]:
     if model_type in FIRST_ID_RULE and ours[0] != 1:
-        from ..errors import StageError
+        from ...errors import StageError
 
         raise StageError(f"SGLang reads EAGLE-3 layer ids for {model_type} targets two ways (releases since PR #25454 "
                          f"take a list whose first id is not 1 as capture-before, earlier ones add 1 to every id), so "
@@ -133,7 +133,7 @@ def id_rule(ids: list[int], model_type: str) -> tuple[int, str] | None:
 
 
 def check_export(src, cfg: dict) -> None:
-    from ..errors import StageError
+    from ...errors import StageError
 
     layers = int(cfg.get("num_hidden_layers") or 1)
     if layers > 1:
@@ -149,12 +149,12 @@ TENSOR_PREFIXES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
 
 def check_tensors(d, names: list[str]) -> None:
     if any(not k.startswith(TENSOR_PREFIXES) for k in names):
-        from ..errors import StageError
+        from ...errors import StageError
 
         raise StageError(f"{d}: SGLang loads `midlayer.*`-style names only; other names are dropped silently")
 
 
-# ---------------- hidden-state extraction (worker/sglang_capture.py) ----------------
+# ---------------- hidden-state extraction (capture.py) ----------------
 
 def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
     """SGLang's `layers_to_capture` for our aux layers (it captures a layer's input: ours + 1; an id of
@@ -165,13 +165,13 @@ def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int
     return ids, [ids.index(i + 1) if i + 1 != num_layers else final for i in aux], final
 
 
-def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter, what: str):
-    from ..extract_sglang import extract
+def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args, reporter, what: str):
+    from .extract import extract  # it finds this module through the registry: no import back
 
     return extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
 
 
-# Whether the installed SGLang has what worker/sglang_capture.py drives, from its own code.
+# Whether the installed SGLang has what capture.py drives, from its own code.
 EXTRACT_PROBE = support_probe("sglang", r'''
 try:
     import dataclasses

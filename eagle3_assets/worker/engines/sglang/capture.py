@@ -1,5 +1,5 @@
 """Hidden-state capture with SGLang, in the engine's own environment: `python -m
-eagle3_assets.worker.sglang_capture SPEC.json`, started by the extract stage (worker/extract_sglang.py).
+eagle3_assets.worker.engines.sglang.capture SPEC.json`, started by the extract stage (extract.py beside it).
 
 SGLang has no server API that returns chosen layers (`return_hidden_states` gives the post-norm final state
 only), so this drives its model runner in-process, tensor parallel, the way SGLang's own offline script
@@ -44,9 +44,9 @@ def _rank(spec: dict, dp: int, tp_rank: int, port_args) -> None:
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from .engine_dump import mask_from_spans, parts_file, write_parts
-    from .shard_format import part_tokens
-    from .shard_writer import Sample, ShardWriter
+    from ....common.shard_format import part_tokens
+    from ...hidden_states.writer import Sample, ShardWriter
+    from ..dump import mask_from_spans, parts_file, write_parts
 
     server_args = _server_args(spec)
     tp = server_args.tp_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from . import support_probe
+from ....common.engines import support_probe
 
 NAME = "vllm"
 TITLE = "vLLM"
@@ -180,14 +180,14 @@ def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int
 
 # ---------------- hidden-state extraction (`extract_hidden_states` + our KV connector) ----------------
 
-def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter, what: str):
-    from ..extract_vllm import extract
+def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args, reporter, what: str):
+    from .extract import extract  # it finds this module through the registry: no import back
 
     return extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
 
 
 CONNECTOR = "Eagle3ShardConnector"
-CONNECTOR_MODULE = "eagle3_assets.worker.engines.vllm_connector"
+CONNECTOR_MODULE = "eagle3_assets.worker.engines.vllm.connector"
 
 # Whether the installed vLLM can extract for this target, from its own code: the method exists, the target
 # class captures aux hidden states (SupportsEagle3), its backbone returns the final layer (the DeepSeek-V2/V3

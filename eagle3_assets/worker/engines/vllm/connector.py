@@ -1,7 +1,7 @@
 """Our KV connector for vLLM's `extract_hidden_states` method: it writes the hidden states of finished
 requests straight into a shard's part files (our format, hashed as written), with no per-request files to
 repack. Loaded by vLLM itself (`--kv-transfer-config` with `kv_connector_module_path` naming this module),
-so it runs inside the engine's processes and imports vLLM; the extract stage (worker/extract_vllm.py) is
+so it runs inside the engine's processes and imports vLLM; the extract stage (extract.py beside it) is
 its client.
 
 How a shard is made: the client sends every sample as a `max_tokens=1` completion whose
@@ -31,9 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
-from ..engine_dump import mask_from_spans, parts_file, write_parts
-from ..shard_format import part_tokens
-from ..shard_writer import Sample, ShardWriter
+from ....common.shard_format import part_tokens
+from ...hidden_states.writer import Sample, ShardWriter
+from ..dump import mask_from_spans, parts_file, write_parts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

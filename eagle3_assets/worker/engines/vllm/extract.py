@@ -1,5 +1,5 @@
 """The `vllm` backend of stage `extract`: the target served by vLLM on the host (tensor and data parallel as
-configured) with the `extract_hidden_states` method, and our KV connector (engines/vllm_connector.py)
+configured) with the `extract_hidden_states` method, and our KV connector (connector.py beside it)
 writing the shard's parts. This module is the connector's client: it sends each sample as a `max_tokens=1`
 completion, asks each data-parallel engine to finish its parts, and checks every sample against what was
 asked before anything is published: its rows equal its token count, its ids equal the tokenized
@@ -13,12 +13,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .engine_dump import collect, engine_run, loss_spans, stored_ids, validate_dump
-from .engines import vllm
-from .engines.server import EngineServer, free_port
-from .errors import StageError
-from .shard_writer import Sample
+from ....common import engines
+from ...errors import StageError
+from ...hidden_states.writer import Sample
+from ..dump import collect, engine_run, loss_spans, stored_ids, validate_dump
+from ..server import EngineServer, free_port
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ....stages.extract import ExtractArgs
 
 
 def is_wrapper(target: Path) -> bool:
@@ -46,20 +50,21 @@ def _request(s: Sample, dir_name: str) -> dict:
                                               "loss_spans": loss_spans(s.loss_mask)}}}
 
 
-def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int], num_layers: int, args: dict,
+def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int], num_layers: int, args: ExtractArgs,
             reporter, what: str) -> tuple[list[dict], list[dict], dict]:
     """Run the samples through the engine into `tmp`; returns (part files, index rows, engine info)."""
+    vllm = engines.get("vllm")
     run = engine_run(vllm, target, aux_layers, num_layers, args)
     python, info, ids, tp, dp = run.python, run.info, run.capture_ids, run.tp, run.dp
     max_len = max(len(s.input_ids) for s in samples) + 1
     port = free_port()
     argv = vllm.extract_command(
         python, str(target), port, layer_ids=ids, root=str(tmp.parent.resolve()), aux_columns=run.aux_columns,
-        final_column=run.final_column, part_bytes=int(args["part_bytes"]),
-        io_threads=int(args["io_threads"]), dtype=args["dtype"],
-        storage=args["storage"],
-        max_model_len=int(args["max_model_len"] or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
-        seed=int(args["seed"]), extra=list(args["extra_args"] or []))
+        final_column=run.final_column, part_bytes=int(args.part_bytes),
+        io_threads=int(args.io_threads), dtype=args.dtype,
+        storage=args.storage,
+        max_model_len=int(args.max_model_len or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
+        seed=int(args.seed), extra=list(args.extra_args or []))
     if is_wrapper(target) and info.get("language_model_only") and "--language-model-only" not in argv:
         argv.append("--language-model-only")  # a multimodal wrapper (Kimi-K2.5): text in, no vision tower loaded
     env = {**vllm.SERVER_ENV, **run.env}  # the engine imports our connector by module path (PYTHONPATH)
@@ -68,7 +73,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     log = tmp.parent / ".logs" / f"vllm-{tmp.name.removeprefix('.tmp-')}.log"
     t_start = time.monotonic()
     with EngineServer("vllm (extraction)", argv, port, log, env=env, health=vllm.HEALTH) as server:
-        ready = server.wait_ready(float(args["ready_timeout_s"]), reporter)
+        ready = server.wait_ready(float(args.ready_timeout_s), reporter)
         reporter.log(f"vllm ready for extraction after {ready:.0f} s")
         t0 = time.monotonic()
 
@@ -83,7 +88,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
 
         total = sum(len(s.input_ids) for s in samples)
         with reporter.progress(what, total, unit="tokens") as progress, \
-                ThreadPoolExecutor(max_workers=int(args["concurrency"])) as pool:
+                ThreadPoolExecutor(max_workers=int(args.concurrency)) as pool:
             for f in [pool.submit(one, s) for s in samples]:
                 f.result()
         nonce = uuid.uuid4().hex
@@ -92,7 +97,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
             _post(port, {"model": "target", "prompt": samples[0].input_ids[:8], "max_tokens": 1,
                          "kv_transfer_params": {"eagle3": {"dir": tmp.name, "flush": nonce}}},
                   headers={"X-data-parallel-rank": str(rank)} if dp > 1 else None)
-        files, index, problems = collect(tmp, dp, nonce, server.died, float(args["flush_timeout_s"]),
+        files, index, problems = collect(tmp, dp, nonce, server.died, float(args.flush_timeout_s),
                                          "vllm")
         wall = time.monotonic() - t0
     validate_dump(samples, index, stored_ids(tmp), problems)
