@@ -1,8 +1,9 @@
 """The control-plane/worker boundary and the lint, as tests (seconds; no model is loaded).
 
 The boundary is import-linter's contracts in pyproject.toml ([tool.importlinter]): the worker never imports
-dagster (dagster_pipes is its channel) nor the control plane; the control plane never imports torch and the
-worker's other packages, directly or through a worker module. `lint-imports` in the repo root checks them.
+dagster (dagster_pipes is its channel) nor the control plane; the control plane never imports the worker nor
+torch and the worker's other packages; what both read (common/, stages/) imports neither; the worker's stage
+families are layered; no package has an import circle. `lint-imports` in the repo root checks them.
 """
 
 from __future__ import annotations
@@ -49,47 +50,59 @@ def test_import_contracts_hold():
 
 def test_contracts_name_every_control_plane_module():
     """The control plane is listed module by module (a forbidden contract cannot say "all but worker/"), so a
-    new top-level module must be added to both lists, or the contracts would not see it."""
-    # stages/ is the contracts both halves share: its own contract (stages-leaf) keeps it free of either half
-    here = {m.name for m in pkgutil.iter_modules(eagle3_assets.__path__)} - {"worker", "stages"}
+    new top-level module must be added to every list, or the contracts would not see it."""
+    # worker/ is the other half; stages/ and common/ are what both read (contract shared-leaves)
+    here = {m.name for m in pkgutil.iter_modules(eagle3_assets.__path__)} - {"worker", "stages", "common"}
     contracts = _contracts()
-    control = {m.removeprefix("eagle3_assets.") for m in contracts["control-no-torch"]["source_modules"]}
-    assert control == here, (f"[tool.importlinter] control-no-torch: add {sorted(here - control)}, "
-                             f"drop {sorted(control - here)} in source_modules")
-    forbidden = {m.removeprefix("eagle3_assets.") for m in contracts["worker-self-contained"]["forbidden_modules"]}
-    assert forbidden == here, (f"[tool.importlinter] worker-self-contained: add {sorted(here - forbidden)}, "
-                               f"drop {sorted(forbidden - here)} in forbidden_modules")
+    for cid, key in [("control-no-worker", "source_modules"), ("control-no-torch", "source_modules"),
+                     ("worker-self-contained", "forbidden_modules"), ("shared-leaves", "forbidden_modules")]:
+        listed = {m.removeprefix("eagle3_assets.") for m in contracts[cid][key] if m.startswith("eagle3_assets.")}
+        listed -= {"worker"}  # shared-leaves forbids the worker too
+        assert listed == here, f"[tool.importlinter] {cid}: add {sorted(here - listed)}, drop {sorted(listed - here)} in {key}"
+
+
+def test_worker_layers_name_every_worker_module():
+    """Each package and module of the worker sits in one layer: a new one must be placed (its layer says what
+    it may import)."""
+    layers = {name.strip() for layer in _contracts()["worker-layers"]["layers"] for name in layer.split("|")}
+    here = {m.name for m in pkgutil.iter_modules([str(ROOT / "eagle3_assets" / "worker")])}
+    assert here == layers, f"[tool.importlinter] worker-layers: place {sorted(here - layers)}, drop {sorted(layers - here)}"
+
+
+def _violate(path: Path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"\n\ndef _violation():\n    {line}  # noqa\n")
 
 
 def test_import_contracts_catch_violations(tmp_path):
-    """The same config on a copy of the package with one violation of each contract: all four break, each
+    """The same config on a copy of the package with one violation of each contract: all seven break, each
     naming the import that breaks it (so a passing check is not a check that sees nothing)."""
     shutil.copytree(ROOT / "eagle3_assets", tmp_path / "eagle3_assets",
                     ignore=shutil.ignore_patterns("__pycache__", "*.jsonl", "*.yaml"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    worker = tmp_path / "eagle3_assets" / "worker"
-    with open(worker / "output_lock.py", "a") as f:  # a worker module importing dagster itself
-        f.write("\n\ndef _violation():\n    import dagster  # noqa\n")
-    with open(worker / "errors.py", "a") as f:  # a worker module importing the control plane
-        f.write("\n\ndef _violation():\n    from .. import lineage  # noqa\n")
-    with open(worker / "charts.py", "a") as f:  # a light worker module that assets/ imports, reaching torch
-        f.write("\n\ndef _violation():\n    import torch  # noqa\n")
-    with open(tmp_path / "eagle3_assets" / "stages" / "base.py", "a") as f:  # a shared contract reaching a half
-        f.write("\n\ndef _violation():\n    from ..worker import files  # noqa\n")
+    pkg = tmp_path / "eagle3_assets"
+    _violate(pkg / "worker" / "output_lock.py", "import dagster")  # the worker importing dagster itself
+    _violate(pkg / "worker" / "errors.py", "from .. import lineage")  # the worker importing the control plane
+    _violate(pkg / "assets" / "serving.py", "from ..worker import files")  # the control plane importing the worker
+    _violate(pkg / "common" / "charts.py", "import torch")  # a shared module the control plane imports, reaching torch
+    _violate(pkg / "stages" / "base.py", "from ..worker import files")  # a shared contract reaching a half
+    # a lower family importing a higher one: a layer broken, and a circle (training imports target)
+    _violate(pkg / "worker" / "target" / "model.py", "from ..training import checkpoint")
     r = _lint_imports(tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
-    assert "0 kept, 4 broken" in out, out
+    assert "0 kept, 7 broken" in out, out
     for chain in ["eagle3_assets.worker.output_lock -> dagster",
                   "eagle3_assets.worker.errors -> eagle3_assets.lineage",
-                  "eagle3_assets.worker.charts -> torch",
-                  "eagle3_assets.stages.base -> eagle3_assets.worker.files"]:
+                  "eagle3_assets.assets.serving -> eagle3_assets.worker.files",
+                  "eagle3_assets.common.charts -> torch",
+                  "eagle3_assets.stages.base -> eagle3_assets.worker.files",
+                  "eagle3_assets.worker.target.model -> eagle3_assets.worker.training.checkpoint"]:
         assert chain in out, f"{chain!r} not reported:\n{out}"
 
 
 def test_control_plane_loads_no_worker_packages():
-    """At run time too: the Dagster code location and the CLI load without torch & co (the contracts ignore a
-    few lazy imports inside worker functions the control plane never calls; this holds them to that)."""
+    """At run time too: the Dagster code location and the CLI load without torch & co."""
     code = ("import sys, eagle3_assets.definitions, eagle3_assets.cli, eagle3_assets.lineage\n"
             f"print(sorted(m for m in {WORKER_ONLY!r} if m in sys.modules))")
     r = _run([sys.executable, "-c", code], ROOT)
