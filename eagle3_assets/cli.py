@@ -4,6 +4,7 @@ file, recorded in the Dagster instance at $DAGSTER_HOME (so the UI and later run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -91,6 +92,12 @@ def materialize(args) -> int:
     return 0
 
 
+def _per_position(stored: str | None) -> str:
+    """Per-position acceptance as the table shows it: three decimals, as the AL column."""
+    values = json.loads(stored) if stored else None
+    return "-" if not values else "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+
 def show_lineage(args) -> int:
     """The benchmark history, one line per result, and the lineage behind one of them (--explain N)."""
     instance = _instance()
@@ -102,13 +109,18 @@ def show_lineage(args) -> int:
     if not rows:
         print("no serving_benchmark results in this instance yet: materialize serving_benchmark first")
         return 0
+    if args.explain is not None and not 0 <= args.explain < len(rows):
+        which = f" for {args.engine}" if args.engine else ""
+        print(f"--explain {args.explain}: no such result; the history{which} has {len(rows)} "
+              f"(numbered 0 to {len(rows) - 1}, as listed by `eagle3-assets lineage`)", file=sys.stderr)
+        return 2
     print(f"{'#':>3}  {'when':19}  {'engine':7} {'version':9} {'checkpoint':12}  {'AL':>6}  {'speedup':>7}  per position")
     for i, r in enumerate(rows):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["when"]))
         al = f"{r['acceptance_length']:.3f}" if r["acceptance_length"] is not None else "-"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         print(f"{i:>3}  {when}  {r['engine']:7} {str(r['engine_version']):9} {str(r['checkpoint'])[:12]:12}  {al:>6}  "
-              f"{sp:>7}  {r['acceptance_per_pos']}")
+              f"{sp:>7}  {_per_position(r['acceptance_per_pos'])}")
     if args.explain is not None:
         r = rows[args.explain]
         print(f"\nresult #{args.explain} (run {r['run_id']}): checkpoint {r['checkpoint']}")

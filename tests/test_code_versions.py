@@ -96,7 +96,8 @@ def test_computing_code_versions_imports_neither_torch_nor_dagster():
 def _benchmark(instance: dg.DagsterInstance, prompts_storage_id: int) -> int:
     """A serving_benchmark result as a run records it: the same figures and settings, consuming `prompts`."""
     instance.report_runless_asset_event(dg.AssetMaterialization(
-        "serving_benchmark", partition="vllm", metadata={"engine": "vllm", "acceptance_length": 2.0, "speedup": 1.5},
+        "serving_benchmark", partition="vllm", metadata={"engine": "vllm", "acceptance_length": 2.0, "speedup": 1.5,
+                                                  "acceptance_per_pos": [0.275, 0.10277777777777777, 0.0305555555]},
         tags={"dagster/code_version": cv.code_version(*BENCH), "dagster/data_version": "same",
               "dagster/input_event_pointer/prompts": str(prompts_storage_id)}))
     return instance.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].storage_id
@@ -138,3 +139,11 @@ def test_a_code_change_makes_the_asset_stale_and_is_named_in_the_lineage(tmp_pat
         assert cli.main(["lineage", "--explain", "1"]) == 0
         out = capsys.readouterr().out
         assert f"against the previous result: {code}" in out and f"code {edited}" in out
+        assert "[0.275, 0.103, 0.031]" in out and "0.1027" not in out  # per position as the AL column: 3 decimals
+
+        # a result that is not there: the valid range, not a traceback
+        assert cli.main(["lineage", "--explain", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "--explain 2: no such result; the history has 2 (numbered 0 to 1" in err
+        assert cli.main(["lineage", "--engine", "sglang", "--explain", "0"]) == 0  # none for that engine: said so
+        assert "no serving_benchmark results" in capsys.readouterr().out
