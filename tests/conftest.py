@@ -3,15 +3,21 @@ and the data half of the graph materialized once on the embedded SmolLM2 at tiny
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from eagle3_assets.assets import all_assets
-from eagle3_assets.hosts import LocalGpuHost
+from eagle3_assets.hosts import GpuHost
+from in_process_host import InProcessGpuHost
 
 # Tiny but real: 6 training conversations, 3 per shard, short replies.
 TINY = {
@@ -74,14 +80,15 @@ def cpu_path(request, monkeypatch) -> CpuPath:
 
 
 class Graph:
-    """Materialize assets of the real graph against one instance and host."""
+    """Materialize assets of the real graph against one instance and host: by default the stages run in this
+    process (in_process_host.py); tests about the host boundary pass a real host."""
 
     def __init__(self, instance: dg.DagsterInstance, workdir: Path):
         self.instance, self.workdir = instance, workdir
-        self.host = LocalGpuHost(workdir=str(workdir))
+        self.host = InProcessGpuHost(workdir=str(workdir))
 
     def materialize(self, *names: str, config: dict | None = None, partition: str | None = None,
-                    raise_on_error: bool = True, host: LocalGpuHost | None = None):
+                    raise_on_error: bool = True, host: GpuHost | None = None):
         ops = {n: (config or {}).get(n, TINY.get(n, {})) for n in names}
         return dg.materialize(all_assets, selection=list(names), instance=self.instance,
                               resources={"gpu_host": host or self.host}, partition_key=partition,
@@ -100,6 +107,49 @@ class Graph:
             dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[partition] if partition else None),
             limit=1).records
         return recs[0].event_log_entry.asset_materialization.tags["dagster/data_version"]
+
+
+# One shard of the built graph, its vocab, and a tiny quick training recipe: what the stage-level tests run on.
+SHARD = "hidden_states/shard-00000"
+VOCAB = "vocab/vocab_mapping.safetensors"
+TINY_TRAIN = {"epochs": 2, "lr": 3e-3, "ttt_steps": 2, "row_tokens": 48, "rows_per_batch": 1, "warmup_ratio": 0.0}
+
+
+def run_worker(workdir: Path, stage: str, args: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    """A stage as a host runs it: `python -m eagle3_assets.worker STAGE`, its exit status and output (a stage
+    that starts an engine server is allowed its minutes)."""
+    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
+    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_stage(workdir: Path, stage: str, args: dict) -> subprocess.CompletedProcess:
+    """The same as `run_worker`, in this process: the worker's entry point without its signal handling, for
+    tests about a stage rather than the process boundary (a worker process spends ~5 s importing torch and
+    transformers before it starts)."""
+    import torch
+
+    from eagle3_assets.worker import __main__ as entry
+
+    argv = [stage, "--workdir", str(workdir), "--args", json.dumps(args)]
+    out, err = io.StringIO(), io.StringIO()
+    env, deterministic = os.environ.get("EAGLE3_NO_BAR"), torch.are_deterministic_algorithms_enabled()
+    os.environ["EAGLE3_NO_BAR"] = "1"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = entry.run(entry._parse(argv))
+    finally:  # what a stage may set for its own process
+        if env is None:
+            os.environ.pop("EAGLE3_NO_BAR")
+        else:
+            os.environ["EAGLE3_NO_BAR"] = env
+        torch.use_deterministic_algorithms(deterministic)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+def train_args(built, out: str, **kw) -> dict:
+    return {"target": built.latest("target_model")["path"], "shards": [SHARD], "vocab": VOCAB, "out": out,
+            **TINY_TRAIN, **kw}
 
 
 def last_json(stdout: str) -> dict:
@@ -161,6 +211,16 @@ def built(graph: Graph) -> Graph:
     for key in graph.instance.get_dynamic_partitions("hidden_state_shards"):
         graph.materialize("hidden_state_shards", partition=key)
     return graph
+
+
+@pytest.fixture
+def work(built, tmp_path) -> Path:
+    """A host work directory of the test's own, holding a copy of one shard and the vocab: damaging them
+    cannot touch the shared fixture."""
+    shutil.copytree(built.workdir / SHARD, tmp_path / SHARD)
+    (tmp_path / "vocab").mkdir()
+    shutil.copy(built.workdir / VOCAB, tmp_path / VOCAB)
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
     install_stop_handlers()
     die_with_parent()
+    return run(ns)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """The stage the command line names, reported through Pipes when Dagster started this process, else to the
+    terminal with the result JSON on stdout; the exit status. (Tests run it in their own process too.)"""
     if "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 

@@ -22,7 +22,7 @@ try:
 except ImportError:  # Python 3.10; dagster requires tomli
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's scripts: lint-imports, ruff
 # What the control plane must not load (numpy is left out here: pyarrow and dagster load it themselves)
 WORKER_ONLY = ["torch", "transformers", "safetensors", "accelerate", "gguf", "vllm", "sglang"]

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 pytestmark = pytest.mark.slow  # the whole main command, vLLM included
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = """
 ops:
   prompts: {config: {max_train_conversations: 4}}

@@ -23,7 +23,7 @@ from eagle3_assets.assets.serving import ServingBenchmarkConfig
 from eagle3_assets.assets.target import TargetModelConfig
 from eagle3_assets.assets.vocab import VocabConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Run the worker's entry point in a fresh interpreter and say whether torch got imported on the way.
 PROBE = """

@@ -16,7 +16,7 @@ import requests
 
 from eagle3_assets.definitions import defs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists() and os.environ.get("CI") != "true",
                                 reason="Debian's chromium is not installed (CI installs it and runs this)")]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import run_stage, train_args
 from eagle3_assets.common.shard_format import FORMAT, FORMAT_V2, bytes_per_token
 from eagle3_assets.worker.hidden_states.parts import dequantize_fp8, quantize_fp8
 from eagle3_assets.worker.training.data import ShardSet
-from test_reliability import SHARD, VOCAB, _train_args, _worker, work  # noqa: F401  (work is a fixture)
 
 
 def test_fp8_keeps_each_layer_to_its_own_scale():
@@ -35,7 +35,7 @@ def test_fp8_is_half_of_bf16_at_the_8b_shape():
 
 
 def _extract(built, workdir: Path, out_dir: str, storage: str):
-    done = _worker(workdir, "extract", {
+    done = run_stage(workdir, "extract", {
         "target": built.latest("target_model")["path"], "storage": storage,
         "conversations": str(built.workdir / "conversations/conversations.parquet"), "out_dir": out_dir, "shard": 0,
         "samples_per_shard": 3, "dtype": "float32", "batch_tokens": 256})
@@ -62,9 +62,9 @@ def test_an_fp8_shard_is_written_checked_and_trained_on(built, work):
     with safe_open(str(sorted(fp8.glob("part-*.safetensors"))[0]), "pt") as st:
         assert st.get_slice("aux").get_dtype() == "F8_E4M3"
 
-    trained = _worker(work, "train", {**_train_args(built, "drafter/fp8"), "shards": ["hs_fp8/shard-00000"]})
+    trained = run_stage(work, "train", {**train_args(built, "drafter/fp8"), "shards": ["hs_fp8/shard-00000"]})
     assert trained.returncode == 0, trained.stderr[-3000:]
-    mixed = _worker(work, "train", {**_train_args(built, "drafter/mixed"),
+    mixed = run_stage(work, "train", {**train_args(built, "drafter/mixed"),
                                     "shards": ["hs_fp8/shard-00000", "hs_native/shard-00000"]})
     assert mixed.returncode == 0, mixed.stderr[-3000:]
 
@@ -86,7 +86,7 @@ def test_a_non_finite_scale_in_an_fp8_shard_is_refused_naming_the_file(built, wo
     (fp8 / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(Exception, match="NaN or inf"):
         ShardSet([fp8], built.latest("target_model")["hidden_size"])
-    assert str(part) in _worker(work, "train", {**_train_args(built, "drafter/bad"),
+    assert str(part) in run_stage(work, "train", {**train_args(built, "drafter/bad"),
                                                 "shards": ["hs_bad/shard-00000"]}).stderr
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import failure_text
+from conftest import failure_text, run_stage, run_worker
 from eagle3_assets.worker.engines import vllm as vllm_engine
 from eagle3_assets.worker.engines.dump import loss_spans, mask_from_spans, validate_dump
 from eagle3_assets.worker.errors import StageError
@@ -38,11 +38,6 @@ def _needs_vllm(f):
 
 
 VLLM = {"backend": "vllm", "dtype": "float32", "ready_timeout_s": 900}
-
-
-def _stage(workdir, stage, args, timeout=900):
-    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
-    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(shard: Path) -> dict[str, dict]:
@@ -116,7 +111,7 @@ def test_a_drafter_trained_on_vllm_shards_matches_one_trained_on_hf_shards(vllm_
             "epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 1, "resume": False}
     figures = {}
     for name, shard in (("hf", hf), ("vllm", vx)):
-        done = _stage(graph.workdir, "train", {**base, "shards": [str(shard)], "out": str(tmp_path / name)})
+        done = run_worker(graph.workdir, "train", {**base, "shards": [str(shard)], "out": str(tmp_path / name)})
         assert done.returncode == 0, done.stderr[-3000:]
         meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
         figures[name] = meta["heldout_acceptance_length_k3"]
@@ -165,7 +160,7 @@ def test_a_dump_shorter_than_its_tokens_fails_the_shard_naming_the_cause():
 def test_aux_layer_outside_the_target_fails_before_any_work(built):
     for backend in ("hf", "vllm"):
         t = time.monotonic()
-        done = _stage(built.workdir, "extract", {
+        done = run_stage(built.workdir, "extract", {
             "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
             "shard": 0, "samples_per_shard": 3, "out_dir": "hs-bad", "aux_layers": [1, 14, 30], "backend": backend})
         assert done.returncode == 2, done.stderr[-2000:]
@@ -178,7 +173,7 @@ def test_aux_layer_outside_the_target_fails_before_any_work(built):
 def test_an_engine_python_without_vllm_is_refused_naming_it(built, tmp_path):
     venv = tmp_path / "no-vllm"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    done = _stage(built.workdir, "extract", {
+    done = run_stage(built.workdir, "extract", {
         "target": built.latest("target_model")["path"], "conversations": "conversations/conversations.parquet",
         "shard": 0, "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "vllm",
         "engine_python": str(venv / "bin" / "python")})
@@ -194,7 +189,7 @@ def test_a_target_vllm_cannot_extract_from_is_refused_before_a_server_starts(bui
     target = tmp_path / "gpt2-tiny"
     GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=50000)).save_pretrained(target)
     t = time.monotonic()
-    done = _stage(built.workdir, "extract", {
+    done = run_worker(built.workdir, "extract", {
         "target": str(target), "conversations": "conversations/conversations.parquet", "shard": 0,
         "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "vllm", "aux_layers": [0, 1, 2]})
     assert done.returncode == 2
@@ -224,7 +219,7 @@ def _sparse_target(path: Path, rows: int, cols: int) -> Path:
 @pytest.mark.cpu_dtype
 def test_the_hf_backend_refuses_a_target_it_cannot_hold_and_names_the_vllm_backend(built, tmp_path, cpu_path):
     target = _sparse_target(tmp_path / "huge", 1_000_000, 500_000)  # 5e11 weights: 1 TB in bf16, 2 TB in float32
-    done = _stage(built.workdir, "extract", {
+    done = run_stage(built.workdir, "extract", {
         "target": str(target), "conversations": "conversations/conversations.parquet", "shard": 0,
         "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"), "backend": "hf", "aux_layers": [0, 1, 2]})
     assert done.returncode == 2, done.stderr[-2000:]
@@ -321,7 +316,7 @@ def test_a_kimi_k25_style_moe_target_extracts_through_vllm_as_through_transforme
     common = {"target": str(kimi.path), "conversations": "conversations/conversations.parquet", "shard": 0,
               "samples_per_shard": 3, "dtype": "float32"}
     for backend in ("hf", "vllm"):
-        done = _stage(built.workdir, "extract", {**common, "backend": backend, "out_dir": str(tmp_path / backend),
+        done = run_worker(built.workdir, "extract", {**common, "backend": backend, "out_dir": str(tmp_path / backend),
                                                   "ready_timeout_s": 900,
                                                   "storage": "fp8" if backend == "vllm" else "native"})
         assert done.returncode == 0, done.stderr[-3000:]

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_ssh_host import _probe_asset, ssh_host, step_log_messages, wait_for
 
 import ssh_jobs
 from conftest import failure_text, hidden_states
 from eagle3_assets.assets.vocab import vocab_mapping
 from eagle3_assets.hosts import GpuHost, LocalGpuHost
 from eagle3_assets.hosts.preflight import local_files, local_fingerprint
-from test_ssh_host import _probe_asset, ssh_host, step_log_messages, wait_for
 
 CONV = "conversations/conversations.parquet"
 

@@ -15,7 +15,7 @@ import dagster as dg
 from conftest import failure_text
 from eagle3_assets.hosts import SshGpuHost
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the helper modules (ssh_jobs.py) the jobs import
 EXTRACT = {"dtype": "float32", "batch_tokens": 256}
 
 

@@ -114,7 +114,7 @@ def test_sglang_missing_on_the_host_is_a_clear_error_in_seconds(built, tmp_path)
 # ---- SGLang's hidden-state capture (worker/engines/sglang/capture.py) against the source of the release it targets ----
 import ast  # noqa: E402
 
-SGLANG_SRC = Path(__file__).resolve().parents[1] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
+SGLANG_SRC = Path(__file__).resolve().parents[2] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
 needs_sglang_src = pytest.mark.skipif(not SGLANG_SRC.exists() and os.environ.get("CI") != "true",
                                       reason="the SGLang 0.5.14 source is fetched by `.ci/setup --tests`")
 
@@ -138,7 +138,7 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
 
 def _calls(func_name: str) -> list[set[str]]:
     """The keyword names of every call to `func_name` in our capture code."""
-    ours = _tree(Path(__file__).resolve().parents[1] / "eagle3_assets" / "worker" / "engines" / "sglang" / "capture.py")
+    ours = _tree(Path(__file__).resolve().parents[2] / "eagle3_assets" / "worker" / "engines" / "sglang" / "capture.py")
     out = []
     for n in ast.walk(ours):
         if isinstance(n, ast.Call):

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import failure_text
+from conftest import failure_text, run_worker
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
@@ -31,11 +31,6 @@ PROMPTS = {"eval_set": "train", "limit": 6, "max_new_tokens": 12}
 EAGER = ["--enforce-eager"]
 BENCH = {**PROMPTS, "concurrencies": [1, 3], "dtype": "float32", "max_model_len": 1024, "ready_timeout_s": 900,
          "extra_args": EAGER}
-
-
-def _stage(workdir, stage, args, timeout=900):
-    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
-    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True, timeout=timeout)
 
 
 # Every process this test session starts (stages, workers, their servers) inherits this tag, so the fault tests
@@ -148,7 +143,7 @@ def test_unsupported_target_architecture_fails_in_seconds(built, tmp_path):
     target = tmp_path / "gpt2-tiny"
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000)).save_pretrained(target)
     t = time.monotonic()
-    done = _stage(built.workdir, "serve_bench", {
+    done = run_worker(built.workdir, "serve_bench", {
         "engine": "vllm", "target": str(target), "drafter": str(target), "prompts": "prompts/eval.parquet",
         "out_dir": str(tmp_path / "bench"), "history": str(tmp_path / "h.parquet")})
     took = time.monotonic() - t
@@ -162,7 +157,7 @@ def test_unsupported_target_architecture_fails_in_seconds(built, tmp_path):
 def test_server_never_ready_fails_and_leaves_no_process(overfit, tmp_path):
     graph = overfit
     out = tmp_path / "never"
-    done = _stage(graph.workdir, "serve_bench", {
+    done = run_worker(graph.workdir, "serve_bench", {
         "engine": "vllm", "target": graph.latest("target_model")["path"],
         "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": "prompts/train.parquet",
         "out_dir": str(out), "history": str(tmp_path / "h.parquet"), "ready_timeout_s": 5, "concurrencies": [1]})
@@ -198,7 +193,7 @@ def test_server_dying_mid_load_fails_clearly_and_leaves_no_process(overfit, tmp_
     pq.write_table(pa.Table.from_pylist([{**r, "id": f"{r['id']}-{i}"} for i in range(8) for r in rows]), many)
     watcher = threading.Thread(target=kill_after_first_measured_request)
     watcher.start()
-    done = _stage(graph.workdir, "serve_bench", {
+    done = run_worker(graph.workdir, "serve_bench", {
         "engine": "vllm", "target": graph.latest("target_model")["path"],
         "drafter": graph.latest("drafter_export")["vllm_path"], "prompts": str(many),
         "out_dir": str(out), "history": str(tmp_path / "h.parquet"), "dtype": "float32", "max_model_len": 1024,
@@ -218,7 +213,7 @@ def test_conversations_regenerated_by_a_vllm_server_match_the_hf_backend(built, 
     common = {"target": built.latest("target_model")["path"], "prompts": "prompts/train.parquet",
               "max_new_tokens": 12, "dtype": "float32", "batch_size": 3}
     for backend in ("hf", "vllm"):
-        done = _stage(built.workdir, "generate", {**common, "backend": backend, "out": str(tmp_path / f"{backend}.parquet"),
+        done = run_worker(built.workdir, "generate", {**common, "backend": backend, "out": str(tmp_path / f"{backend}.parquet"),
                                                   "extra_args": ["--max-num-seqs", "4", *EAGER] if backend == "vllm" else []})
         assert done.returncode == 0, done.stderr[-3000:]
     hf, served = (pq.read_table(tmp_path / f"{b}.parquet").to_pylist() for b in ("hf", "vllm"))
@@ -289,27 +284,27 @@ def test_a_two_layer_drafter_is_served_by_vllm_as_trained(built):
     while the SGLang export is refused with the reason (SGLang's later layers drop the residual)."""
     target = built.latest("target_model")["path"]
     shards = [f"hidden_states/shard-{k}" for k in ("00000", "00001")]
-    done = _stage(built.workdir, "train", {"target": target, "shards": shards, "vocab": "vocab/vocab_mapping.safetensors",
+    done = run_worker(built.workdir, "train", {"target": target, "shards": shards, "vocab": "vocab/vocab_mapping.safetensors",
                                            "out": "drafter/two-layers", "resume": False, "num_layers": 2, "epochs": 40,
                                            "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2,
                                            "warmup_ratio": 0.0})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "draft layers initialised from target layers 28, 29" in done.stderr
-    refused = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
+    refused = run_worker(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
                                                "out": "exports/two-layers-both", "dialects": ["vllm", "sglang"]})
     assert refused.returncode != 0 and "dialects: [vllm]" in refused.stderr and "residual" in refused.stderr
     assert not (built.workdir / "exports/two-layers-both").exists()  # refused before either dialect is written
-    done = _stage(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
+    done = run_worker(built.workdir, "export", {"drafter": "drafter/two-layers/model", "target": target,
                                             "out": "exports/two-layers", "dialects": ["vllm"]})
     assert done.returncode == 0, done.stderr[-3000:]
     export = built.workdir / "exports/two-layers/vllm"
     assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == 2
     common = {"target": target, "prompts": "prompts/train.parquet", "limit": PROMPTS["limit"],
               "max_new_tokens": PROMPTS["max_new_tokens"], "num_speculative_tokens": 3, "dtype": "float32"}
-    done = _stage(built.workdir, "speculate", {**common, "drafter": "drafter/two-layers/model"})
+    done = run_worker(built.workdir, "speculate", {**common, "drafter": "drafter/two-layers/model"})
     assert done.returncode == 0, done.stderr[-3000:]
     offline = _metadata(done)
-    done = _stage(built.workdir, "serve_bench", {
+    done = run_worker(built.workdir, "serve_bench", {
         **common, "engine": "vllm", "drafter": str(export), "out_dir": "benchmarks/two-layers",
         "history": "benchmarks/two_layers_history.parquet", "concurrencies": [1], "baseline": False,
         "max_model_len": 1024, "ready_timeout_s": 900, "trained_drafter": "drafter/two-layers/model",

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -20,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import Graph, hidden_states, last_json
+from conftest import Graph, hidden_states, last_json, run_stage
 from tiny_targets import KIMI_VOCAB, save_kimi_k25_like
 
 TRAIN = {"epochs": 2, "lr": 3e-3, "ttt_steps": 2, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0,
@@ -38,12 +35,6 @@ def _config(target: Path, **train) -> dict:
         "vocab_mapping": {"config": {"draft_vocab_size": DRAFT_VOCAB}},
         "eagle3_drafter": {"config": {**TRAIN, **train}},
     }
-
-
-def _worker(workdir: Path, stage: str, args: dict) -> subprocess.CompletedProcess:
-    """The stage run by hand on the host, as `python -m eagle3_assets.worker` (no Dagster)."""
-    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
-    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +73,7 @@ def test_target_model_describes_the_text_model(pipeline, kimi, tmp_path):
         text["num_hidden_layers"], text["hidden_size"], text["vocab_size"])
     assert "num_hidden_layers" not in top and meta["vocab_size"] == KIMI_VOCAB
     # by hand on the host, the stage says the same
-    done = _worker(tmp_path, "prepare_target", {"path": str(kimi.path)})
+    done = run_stage(tmp_path, "prepare_target", {"path": str(kimi.path)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert {k: v for k, v in last_json(done.stdout).items() if k != "weights_sha256"} == \
         {k: v for k, v in meta.items() if k != "weights_sha256"}
@@ -157,7 +148,7 @@ def test_the_drafters_head_comes_from_the_language_models_tensors(pipeline, kimi
     args = {"target": str(kimi.path), "vocab": "vocab/vocab_mapping.safetensors", "out": "drafter/at-init",
             "shards": [f"hidden_states/shard-{k}" for k in pipeline.instance.get_dynamic_partitions("hidden_state_shards")],
             **TRAIN, "epochs": 1, "lr": 1e-30}
-    done = _worker(workdir, "train", args)
+    done = run_stage(workdir, "train", args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "draft layers initialised at random" in done.stderr and "self_attn.q_proj.weight" in done.stderr
     w = load_file(str(workdir / "drafter/at-init/model/model.safetensors"))
@@ -254,7 +245,7 @@ def test_a_wrapped_target_missing_a_text_tensor_is_refused_naming_it(pipeline, k
     del t[name]
     save_file(t, str(part), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
-    done = _worker(pipeline.workdir, "extract", {"target": str(bad), "conversations": "conversations/conversations.parquet",
+    done = run_stage(pipeline.workdir, "extract", {"target": str(bad), "conversations": "conversations/conversations.parquet",
                                                  "shard": 0, "samples_per_shard": 3, "out_dir": str(tmp_path / "hs"),
                                                  "dtype": "float32"})
     assert done.returncode == 2, done.stderr[-3000:]
@@ -333,7 +324,7 @@ def test_a_drafter_one_layer_off_is_refused_before_training(pipeline, kimi, tmp_
     assert shard_ids == [1, 3, 4]  # the defaults of the 8-layer target (what the messages below spell out)
     d = _drafter_with_ids(Path(pipeline.latest("eagle3_drafter")["path"]), tmp_path / convention, convention, off)
     out = tmp_path / "finetuned"
-    done = _worker(pipeline.workdir, "train", {
+    done = run_stage(pipeline.workdir, "train", {
         "target": str(kimi.path), "init_from": str(d), "out": str(out), **TRAIN,
         "shards": [f"hidden_states/shard-{k}" for k in pipeline.instance.get_dynamic_partitions("hidden_state_shards")]})
     assert done.returncode == 2, done.stderr[-3000:]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import failure_text, last_json
+from conftest import failure_text, last_json, run_stage
 
 TRAIN = {"epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0}
 
@@ -68,8 +68,7 @@ def test_resume_after_a_kill_ends_with_identical_weights(trained):
     shards = [f"hidden_states/shard-{k}" for k in ("00000", "00001")]
     base = {"target": target, "shards": shards, "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3,
             "ttt_steps": 2, "row_tokens": 48, "rows_per_batch": 1, "save_every_steps": 1}
-    cmd, env = _worker(trained.workdir, "train", {**base, "out": "drafter/straight"})
-    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    assert run_stage(trained.workdir, "train", {**base, "out": "drafter/straight"}).returncode == 0
 
     cmd, env = _worker(trained.workdir, "train", {**base, "out": "drafter/interrupted"})
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -99,8 +98,7 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
             "vocab": "vocab/vocab_mapping.safetensors", "epochs": 2, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128,
             "rows_per_batch": 2, "train_lm_head": False, "loss_on": "all", "out": "drafter/frozen", "resume": False,
             "noise_std": 0.2, "aux_scale": "rms", "init_layer": -1, "layer_lr": 0.0, "tracker": "tensorboard"}
-    cmd, env = _worker(trained.workdir, "train", args)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = run_stage(trained.workdir, "train", args)
     assert done.returncode == 0, done.stderr
     meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
     hp = meta["hyperparameters"]
@@ -302,9 +300,8 @@ def test_vocab_mapping_for_another_target_is_rejected(trained, tmp_path):
     t2d = torch.zeros(32000, dtype=torch.bool)
     t2d[:16] = True
     save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
-    cmd, env = _worker(trained.workdir, "train", {"target": target, "shards": ["hidden_states/shard-00000"],
-                                                  "vocab": str(tmp_path / "vocab.safetensors"), "out": str(tmp_path / "o")})
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = run_stage(trained.workdir, "train", {"target": target, "shards": ["hidden_states/shard-00000"],
+                                                "vocab": str(tmp_path / "vocab.safetensors"), "out": str(tmp_path / "o")})
     assert done.returncode == 2 and "t2d covers 32000 target ids but the target vocab has 49152" in done.stderr
 
 
@@ -319,14 +316,14 @@ def test_hidden_states_of_the_wrong_width_are_rejected(trained, tmp_path):
     save_file(t, str(part))
     m["files"][0]["bytes"] = part.stat().st_size
     (shard / "manifest.json").write_text(json.dumps(m))
-    cmd, env = _worker(trained.workdir, "train", {"target": target, "shards": [str(shard)],
-                                                  "vocab": "vocab/vocab_mapping.safetensors", "out": str(tmp_path / "o")})
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    args = {"target": target, "shards": [str(shard)], "vocab": "vocab/vocab_mapping.safetensors",
+            "out": str(tmp_path / "o")}
+    done = run_stage(trained.workdir, "train", args)
     assert done.returncode == 2
     assert "tensor 'aux' has shape" in done.stderr and "expected" in done.stderr and "[" in done.stderr
     m["hidden_size"] = 4096
     (shard / "manifest.json").write_text(json.dumps(m))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = run_stage(trained.workdir, "train", args)
     assert "4096-wide" in done.stderr and "hidden size is 576" in done.stderr
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,17 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import failure_text, last_json
-
-SHARD = "hidden_states/shard-00000"
-VOCAB = "vocab/vocab_mapping.safetensors"
-# tiny and quick: one shard, 2 epochs, short rows
-TRAIN = {"epochs": 2, "lr": 3e-3, "ttt_steps": 2, "row_tokens": 48, "rows_per_batch": 1, "warmup_ratio": 0.0}
-
-
-def _worker(workdir: Path, stage: str, args: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "eagle3_assets.worker", stage, "--workdir", str(workdir), "--args", json.dumps(args)]
-    return subprocess.run(cmd, env={**os.environ, "EAGLE3_NO_BAR": "1"}, capture_output=True, text=True)
+from conftest import SHARD, VOCAB, failure_text, last_json, run_stage, train_args
 
 
 def _written(root: Path) -> list[Path]:
@@ -46,23 +35,8 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture
-def work(built, tmp_path) -> Path:
-    """A host work directory of the test's own, holding a copy of one shard and the vocab: damaging them
-    cannot touch the shared fixture."""
-    shutil.copytree(built.workdir / SHARD, tmp_path / SHARD)
-    (tmp_path / "vocab").mkdir()
-    shutil.copy(built.workdir / VOCAB, tmp_path / VOCAB)
-    return tmp_path
-
-
-def _train_args(built, out: str, **kw) -> dict:
-    return {"target": built.latest("target_model")["path"], "shards": [SHARD], "vocab": VOCAB, "out": out,
-            **TRAIN, **kw}
-
-
 def _extract(built, work: Path, aux_layers: list[int] | None) -> None:
-    done = _worker(work, "extract", {
+    done = run_stage(work, "extract", {
         "target": built.latest("target_model")["path"],
         "conversations": str(built.workdir / "conversations/conversations.parquet"), "out_dir": "hidden_states",
         "shard": 0, "samples_per_shard": 3, "dtype": "float32", "batch_tokens": 256,
@@ -75,13 +49,13 @@ def _extract(built, work: Path, aux_layers: list[int] | None) -> None:
 def test_rerun_after_reextracting_with_other_aux_layers_retrains(built, work):
     """The story: train, re-extract the shard with other aux layers, rerun with the same name. It must train
     again (not 'resume from step N of N' and republish the old weights), and end where a fresh run ends."""
-    first = _worker(work, "train", _train_args(built, "drafter/same"))
+    first = run_stage(work, "train", train_args(built, "drafter/same"))
     assert first.returncode == 0, first.stderr[-3000:]
     old = _weights(work / "drafter/same")
     old_ids = json.loads((work / "drafter/same/model/config.json").read_text())["eagle3_assets"]["aux_layer_ids"]
 
     _extract(built, work, [2, 10, 20])
-    rerun = _worker(work, "train", _train_args(built, "drafter/same"))
+    rerun = run_stage(work, "train", train_args(built, "drafter/same"))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"shard {SHARD} (content) changed since it was written; training afresh" in rerun.stderr
     assert "resuming from" not in rerun.stderr
@@ -92,12 +66,12 @@ def test_rerun_after_reextracting_with_other_aux_layers_retrains(built, work):
     cfg = json.loads((work / "drafter/same/model/config.json").read_text())
     assert cfg["eagle3_assets"]["aux_layer_ids"] == [2, 10, 20] != old_ids
 
-    fresh = _worker(work, "train", _train_args(built, "drafter/fresh"))
+    fresh = run_stage(work, "train", train_args(built, "drafter/fresh"))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert _same(_weights(work / "drafter/fresh"), new)
 
     # unchanged inputs: it resumes at the last step, trains nothing, publishes the same weights
-    again = _worker(work, "train", _train_args(built, "drafter/same"))
+    again = run_stage(work, "train", train_args(built, "drafter/same"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from step-{res['steps']:07d} (step {res['steps']} of {res['steps']})" in again.stderr
     assert _same(_weights(work / "drafter/same"), new)
@@ -107,21 +81,21 @@ def test_rerun_after_reextracting_with_other_aux_layers_retrains(built, work):
 @pytest.mark.slow  # five training runs and a vocab run (~25 s of CPU); the aux-layer rerun above keeps the
 # stale-resume case in the fast tier
 def test_rerun_after_the_vocab_or_a_setting_changed_retrains(built, work):
-    assert _worker(work, "train", _train_args(built, "drafter/v")).returncode == 0
+    assert run_stage(work, "train", train_args(built, "drafter/v")).returncode == 0
     old = _weights(work / "drafter/v")
-    done = _worker(work, "vocab", {"target": built.latest("target_model")["path"], "out": VOCAB, "draft_vocab_size": 48,
+    done = run_stage(work, "vocab", {"target": built.latest("target_model")["path"], "out": VOCAB, "draft_vocab_size": 48,
                                    "conversations": str(built.workdir / "conversations/conversations.parquet")})
     assert done.returncode == 0, done.stderr[-2000:]
-    rerun = _worker(work, "train", _train_args(built, "drafter/v"))
+    rerun = run_stage(work, "train", train_args(built, "drafter/v"))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "vocab (content) changed" in rerun.stderr
     new = _weights(work / "drafter/v")
     assert new["d2t"].shape == (48,) and old["d2t"].shape == (64,)
-    fresh = _worker(work, "train", _train_args(built, "drafter/v-fresh"))
+    fresh = run_stage(work, "train", train_args(built, "drafter/v-fresh"))
     assert fresh.returncode == 0 and _same(_weights(work / "drafter/v-fresh"), new)
 
     # a hyperparameter: named with both values
-    more = _worker(work, "train", _train_args(built, "drafter/v", lr=1e-3))
+    more = run_stage(work, "train", train_args(built, "drafter/v", lr=1e-3))
     assert more.returncode == 0, more.stderr[-3000:]
     assert "hyperparameters (lr 0.003 -> 0.001)" in more.stderr and "resuming from" not in more.stderr
     assert not _same(_weights(work / "drafter/v"), new)
@@ -171,7 +145,7 @@ def _inf_in_aux(work: Path) -> Path:
 ], ids=["flipped-byte", "rewritten-index", "inf-in-aux"])
 def test_damaged_shard_is_refused_naming_the_file(built, work, damage, expect):
     bad = damage(work)
-    done = _worker(work, "train", _train_args(built, "drafter/damaged"))
+    done = run_stage(work, "train", train_args(built, "drafter/damaged"))
     assert done.returncode == 2, done.stderr[-3000:]
     assert str(bad) in done.stderr and expect in done.stderr
     assert "rerun hidden_state_shards partition 00000" in done.stderr
@@ -180,7 +154,7 @@ def test_damaged_shard_is_refused_naming_the_file(built, work, damage, expect):
 
 def test_a_non_finite_loss_stops_training_naming_the_step(built, work):
     """A learning rate that blows the weights up: the run stops at the first non-finite loss, writes no drafter."""
-    done = _worker(work, "train", _train_args(built, "drafter/nan", lr=1e30, max_grad_norm=1e30))
+    done = run_stage(work, "train", train_args(built, "drafter/nan", lr=1e30, max_grad_norm=1e30))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the training loss is not finite (NaN or inf) at step" in done.stderr
     step = int(done.stderr.split("not finite (NaN or inf) at step ")[1].split()[0])
@@ -208,7 +182,7 @@ def test_run_name_with_a_path_is_refused_by_the_config(built):
 def test_worker_refuses_an_output_outside_its_directory(built, tmp_path, args, expect):
     work = tmp_path / "a" / "b" / "work"
     work.mkdir(parents=True)
-    done = _worker(work, "train", {**_train_args(built, "unused"), **args})
+    done = run_stage(work, "train", {**train_args(built, "unused"), **args})
     assert done.returncode == 2 and expect in done.stderr, done.stderr[-2000:]
     assert sorted(p.name for p in _written(tmp_path)) == ["a", "b", "work"]  # nothing written anywhere
 
@@ -254,7 +228,7 @@ def test_unreadable_history_is_set_aside_before_any_server_starts(built, tmp_pat
     history.write_bytes(garbage)
     # engine_python that does not exist: the stage stops at the engine preflight, the first thing after the
     # history (so no server can have started)
-    done = _worker(tmp_path, "serve_bench", {
+    done = run_stage(tmp_path, "serve_bench", {
         "engine": "vllm", "engine_python": str(tmp_path / "no-python"), "target": built.latest("target_model")["path"],
         "drafter": str(tmp_path / "drafter"), "prompts": str(built.workdir / "prompts/eval.parquet"),
         "out_dir": "benchmarks/vllm/x", "history": "benchmarks/serving_history.parquet"})
@@ -296,7 +270,7 @@ def test_non_positive_counts_are_refused_by_the_config(graph, asset, field, valu
 
 
 def test_worker_refuses_settings_out_of_range_before_any_work(built, tmp_path):
-    done = _worker(tmp_path, "train", _train_args(built, "drafter/zero", epochs=0, ttt_steps=-1, warmup_ratio=1.0))
+    done = run_stage(tmp_path, "train", train_args(built, "drafter/zero", epochs=0, ttt_steps=-1, warmup_ratio=1.0))
     assert done.returncode == 2
     for named in ("epochs: Input should be greater than 0, got 0", "ttt_steps: Input should be greater than 0, got -1",
                   "warmup_ratio: Input should be less than 1, got 1.0"):

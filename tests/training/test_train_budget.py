@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from test_reliability import SHARD, _train_args, _worker, work  # noqa: F401  (work is a fixture)
+from conftest import run_stage, train_args
 
 LONG = {"epochs": 40, "save_every_steps": 0}
 
@@ -18,7 +18,7 @@ def _last_checkpoint(d):
 
 
 def test_a_budget_cuts_the_run_and_finishes_its_schedule(built, work):
-    run = _worker(work, "train", _train_args(built, "drafter/budget", **LONG, time_budget_s=2.0))
+    run = run_stage(work, "train", train_args(built, "drafter/budget", **LONG, time_budget_s=2.0))
     assert run.returncode == 0, run.stderr[-3000:]
     meta = json.loads(run.stdout.strip().splitlines()[-1])
     assert 0 < meta["steps"], meta
@@ -36,14 +36,14 @@ def test_a_budget_cuts_the_run_and_finishes_its_schedule(built, work):
     lr, peak = state["scheduler"]["_last_lr"][0], state["scheduler"]["base_lrs"][0]
     assert lr < 0.05 * peak, f"the schedule was not planned for the cut run: lr {lr} of peak {peak}"
 
-    again = _worker(work, "train", _train_args(built, "drafter/budget", **LONG, time_budget_s=2.0))
+    again = run_stage(work, "train", train_args(built, "drafter/budget", **LONG, time_budget_s=2.0))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"(step {planned} of {planned})" in again.stderr, "a resume keeps the plan, not re-timed"
 
 
 def test_a_budget_that_fits_every_epoch_changes_nothing(built, work):
-    plain = _worker(work, "train", _train_args(built, "drafter/plain"))
-    budgeted = _worker(work, "train", _train_args(built, "drafter/roomy", time_budget_s=3600))
+    plain = run_stage(work, "train", train_args(built, "drafter/plain"))
+    budgeted = run_stage(work, "train", train_args(built, "drafter/roomy", time_budget_s=3600))
     assert plain.returncode == 0 and budgeted.returncode == 0, budgeted.stderr[-3000:]
     a = json.loads(plain.stdout.strip().splitlines()[-1])
     b = json.loads(budgeted.stdout.strip().splitlines()[-1])

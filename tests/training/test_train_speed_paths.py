@@ -267,7 +267,7 @@ def test_collate_pads_to_the_fixed_shape_with_finite_padding(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import train_bench
 
     s = train_bench.SHAPES["tiny"]
