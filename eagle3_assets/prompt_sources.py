@@ -107,13 +107,34 @@ def _file_records(source: str) -> Iterator[tuple[str, dict]]:
                                   "re-encode the file as UTF-8") from e
             except json.JSONDecodeError as e:
                 raise PromptError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
-            if isinstance(data, dict):
-                data = data.get("data") if isinstance(data.get("data"), list) else [data]
-            for i, rec in enumerate(data):
-                yield f"{source}, record {i}", rec
+            yield from _json_records(source, data)
         else:
             raise PromptError(f"prompt source {source!r}: unknown file type; use .json (ShareGPT list), .jsonl, "
                               ".parquet, optionally .gz")
+
+
+def _json_records(source: str, data) -> Iterator[tuple[str, object]]:
+    """A .json file's records: a list, an object with the list under 'data', or one record object. A scalar is
+    no prompt file at all (a string would be read as one record per character), so, like invalid JSON, it
+    fails whatever on_bad_record says."""
+    if isinstance(data, dict):
+        data = data["data"] if isinstance(data.get("data"), list) else [data]
+    if not isinstance(data, list):
+        raise PromptError(f"{source}: the file's JSON is {_kind(data)}, not prompt records: expected a list of "
+                          "records or an object with a list under 'data' (ShareGPT: [{\"conversations\": [...]}, ...])")
+    for i, rec in enumerate(data):
+        yield f"{source}, record {i}", rec
+
+
+def _kind(value) -> str:
+    """A value's type in JSON's words, for errors read by whoever wrote the file."""
+    if value is None:
+        return "null"
+    for t, name in ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"),
+                    (list, "a list"), (dict, "an object")):
+        if isinstance(value, t):
+            return name
+    return f"a {type(value).__name__}"
 
 
 def _jsonl_lines(source: str, lines) -> Iterator[tuple[str, dict]]:
@@ -138,22 +159,30 @@ def _jsonl_lines(source: str, lines) -> Iterator[tuple[str, dict]]:
         yield f"{source}, line {n}", rec
 
 
+FORMATS = "'conversations' (ShareGPT), 'messages' (UltraChat/OpenAI), 'data' (UltraChat raw) or 'prompt'"
+TURN_SHAPES = {"conversations": ("turn", 'from and value, like {"from": "human", "value": "hi"}'),
+               "messages": ("message", 'role and content, like {"role": "user", "content": "hi"}')}
+WANTED = {"conversations": "a list of {from, value} turns", "messages": "a list of {role, content} messages",
+          "data": "a list of alternating user and assistant texts", "prompt": "a string"}
+
+
 def to_messages(rec, place: str) -> list[dict]:
     """ShareGPT {conversations:[{from,value}]}, UltraChat/OpenAI {messages:[{role,content}]}, UltraChat raw
     {data:[user, assistant, ...]}, or {prompt}."""
     if not isinstance(rec, dict):
-        raise PromptError(f"{place}: expected a JSON object, got {type(rec).__name__}")
+        raise PromptError(f"{place}: the record is {_kind(rec)}, not an object: expected a JSON object with "
+                          f"{FORMATS}; fix that record, or set on_bad_record='skip'")
     if isinstance(rec.get("conversations"), list):
-        raw = [(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in rec["conversations"]]
+        turns = _turns(rec, "conversations", place)
+        raw = [(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in turns]
     elif isinstance(rec.get("messages"), list):
-        raw = [(t.get("role"), t.get("content")) for t in rec["messages"]]
+        raw = [(t.get("role"), t.get("content")) for t in _turns(rec, "messages", place)]
     elif isinstance(rec.get("data"), list):
         raw = [("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(rec["data"])]
     elif isinstance(rec.get("prompt"), str):
         raw = [("user", rec["prompt"])]
     else:
-        raise PromptError(f"{place}: unrecognized record with keys {sorted(rec)[:8]}: expected 'conversations' "
-                          "(ShareGPT), 'messages' (UltraChat/OpenAI), 'data' (UltraChat raw) or 'prompt'")
+        raise PromptError(_unrecognized(rec, place))
     out = []
     for role, content in raw:
         r = ROLES.get(str(role).lower())
@@ -169,26 +198,56 @@ def to_messages(rec, place: str) -> list[dict]:
     return out
 
 
+def _turns(rec: dict, key: str, place: str) -> list[dict]:
+    """The turn objects under `key`; a bare string there (["hi", "there"]) is a record written wrong, whose
+    roles cannot be guessed."""
+    turn, fields = TURN_SHAPES[key]
+    for i, t in enumerate(rec[key]):
+        if not isinstance(t, dict):
+            raise PromptError(f"{place}: {key}[{i}] is {_kind(t)}, not an object: each {turn} must be an "
+                              f"object with {fields}; fix that record, or set on_bad_record='skip'")
+    return rec[key]
+
+
+def _unrecognized(rec: dict, place: str) -> str:
+    """A known key holding the wrong type ({"messages": "hi"}) is named as such, not as an unknown record."""
+    for key, want in WANTED.items():
+        if rec.get(key) is not None:
+            return (f"{place}: {key!r} is {_kind(rec[key])}: expected {want}; fix that record, or set "
+                    "on_bad_record='skip'")
+    return f"{place}: unrecognized record with keys {sorted(rec)[:8]}: expected {FORMATS}"
+
+
 def _text(content, place: str, role: str) -> str:
     """A turn's text. OpenAI-style content parts ([{"type": "text", "text": ...}]) are joined with newlines, as
     vLLM joins them; a part that is not text (an image, audio) cannot be regenerated by a text target."""
     if content is None:
         return ""
+    if isinstance(content, str):
+        return content
     if isinstance(content, dict):
         content = [content]
-    if not isinstance(content, list):
-        return str(content)
-    texts = []
-    for part in content:
-        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
-        if isinstance(part, str):
-            texts.append(part)
-        elif kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            raise PromptError(f"{place}: a {role} turn holds a content part of type {kind!r}; only text parts "
-                              "can be regenerated: drop that part or the record, or set on_bad_record='skip'")
-    return "\n".join(texts)
+    if not isinstance(content, list):  # a number is no text the writer meant; str() would invent one
+        raise PromptError(f"{place}: a {role} turn's content is {_kind(content)}: expected a string or a list of "
+                          "text parts; fix that record, or set on_bad_record='skip'")
+    return "\n".join(_part_text(part, place, role) for part in content)
+
+
+def _part_text(part, place: str, role: str) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise PromptError(f"{place}: a {role} turn holds a content part that is {_kind(part)}: expected a string "
+                          "or a {\"type\": \"text\", \"text\": ...} object; fix that record, or set "
+                          "on_bad_record='skip'")
+    kind = part.get("type", "text")
+    if kind not in ("text", "input_text", "output_text"):
+        raise PromptError(f"{place}: a {role} turn holds a content part of type {kind!r}; only text parts "
+                          "can be regenerated: drop that part or the record, or set on_bad_record='skip'")
+    if not isinstance(part.get("text"), str):
+        raise PromptError(f"{place}: a {role} turn holds a text part whose 'text' is {_kind(part.get('text'))}: "
+                          "expected a string; fix that record, or set on_bad_record='skip'")
+    return part["text"]
 
 
 def clean(messages: list[dict], place: str, max_user_turns: int, max_message_chars: int,

@@ -8,8 +8,10 @@ import json
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from eagle3_assets.prompt_sources import LoadStats, is_eval, load_source
+from conftest import failure_text
+from eagle3_assets.prompt_sources import LoadStats, PromptError, is_eval, load_source
 
 
 def _load(src, **kw):
@@ -108,4 +110,107 @@ def test_prompts_asset_deduplicates_across_sources(graph, tmp_path):
     meta = {k: v.value for k, v in res.asset_materializations_for_node("prompts")[0].metadata.items()}
     assert meta["duplicates_dropped"] == 2  # same user turns = same conversation to regenerate
     assert meta["train_by_source"][str(f)] == 1
+    graph.materialize("prompts")  # restore the fixture's prompts
+
+
+GOOD = {"messages": [{"role": "user", "content": "fine question?"}]}
+MESSAGE_SHAPE = "each message must be an object with role and content"
+
+
+def _raises(src, **kw) -> str:
+    with pytest.raises(PromptError) as e:
+        _load(src, **kw)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("content", ["5", "null", '"a ShareGPT file"', "true"])
+def test_json_file_holding_a_scalar_names_the_file_and_the_shape_expected(tmp_path, content):
+    f = tmp_path / "prompts.json"
+    f.write_text(content)
+    msg = _raises(str(f))
+    assert msg.startswith(f"{f}: the file's JSON is ")
+    assert "expected a list of records or an object with a list under 'data'" in msg
+    # not one bad record but no prompt file at all (a string is no list of characters): skip cannot help
+    assert _raises(str(f), on_bad_record="skip") == msg
+
+
+def test_messages_that_are_strings_name_the_file_record_and_shape(tmp_path):
+    f = tmp_path / "chats.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({"messages": ["hi", "there"]}) + "\n")
+    msg = _raises(str(f))
+    assert f"{f}, line 2: messages[0] is a string, not an object" in msg and MESSAGE_SHAPE in msg
+    convs, stats = _load(str(f), on_bad_record="skip")
+    assert [c.messages for c in convs] == [GOOD["messages"]]
+    assert (stats.records, stats.bad_records_skipped, stats.problems) == (2, 1, [msg])
+
+
+BAD_RECORDS = {  # record -> what the error says was found and expected
+    "number": (5, "the record is a number, not an object: expected a JSON object with 'conversations'"),
+    "string": ("hi", "the record is a string, not an object"),
+    "null": (None, "the record is null, not an object"),
+    "list": ([GOOD], "the record is a list, not an object"),
+    "message null": ({"messages": [None]}, f"messages[0] is null, not an object: {MESSAGE_SHAPE}"),
+    "message list": ({"messages": [["user", "hi"]]}, "messages[0] is a list, not an object"),
+    "sharegpt turn string": ({"conversations": ["hi"]},
+                             "conversations[0] is a string, not an object: each turn must be an object with from "
+                             "and value"),
+    "messages string": ({"messages": "hi"}, "'messages' is a string: expected a list of {role, content} messages"),
+    "conversations object": ({"conversations": {"from": "human", "value": "hi"}},
+                             "'conversations' is an object: expected a list of {from, value} turns"),
+    "prompt number": ({"prompt": 5}, "'prompt' is a number: expected a string"),
+    "content number": ({"messages": [{"role": "user", "content": 5}]},
+                       "a user turn's content is a number: expected a string or a list of text parts"),
+    "content boolean": ({"messages": [{"role": "user", "content": True}]}, "a user turn's content is a boolean"),
+    "sharegpt value number": ({"conversations": [{"from": "human", "value": 7}]},
+                              "a user turn's content is a number"),
+    "ultrachat turn number": ({"data": [5, "x"]}, "a user turn's content is a number"),
+    "content part number": ({"messages": [{"role": "user", "content": ["hi", 5]}]},
+                            "a user turn holds a content part that is a number"),
+    "text part text number": ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                              "a user turn holds a text part whose 'text' is a number: expected a string"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+@pytest.mark.parametrize("name", BAD_RECORDS)
+def test_record_of_an_unexpected_shape_is_named_or_skipped_and_counted(tmp_path, fmt, name):
+    rec, expected = BAD_RECORDS[name]
+    f = tmp_path / f"chats.{fmt}"
+    if fmt == "jsonl":
+        f.write_text(json.dumps(GOOD) + "\n" + json.dumps(rec) + "\n")
+        place = f"{f}, line 2"
+    else:  # a JSON object wrapping the list, as exported datasets do
+        f.write_text(json.dumps({"data": [GOOD, rec]}))
+        place = f"{f}, record 1"
+    msg = _raises(str(f))
+    assert msg.startswith(f"{place}: ") and expected in msg and "on_bad_record='skip'" in msg
+    convs, stats = _load(str(f), on_bad_record="skip")
+    assert [c.messages for c in convs] == [GOOD["messages"]]
+    assert (stats.bad_records_skipped, stats.problems) == (1, [msg])
+
+
+@pytest.mark.parametrize("rec, expected", [
+    ({"messages": ["hi", "there"]}, f"messages[0] is a string, not an object: {MESSAGE_SHAPE}"),
+    ({"messages": [{"role": "user", "content": 5}]}, "a user turn's content is a number"),
+], ids=["message string", "content number"])
+def test_parquet_record_of_an_unexpected_shape_is_named_or_skipped_and_counted(tmp_path, rec, expected):
+    f = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist([rec, rec]), f)  # a column has one type: every row has the bad shape
+    msg = _raises(str(f))
+    assert msg.startswith(f"{f}, record 0: ") and expected in msg
+    convs, stats = _load(str(f), on_bad_record="skip")
+    assert (convs, stats.bad_records_skipped, stats.problems[0]) == ([], 2, msg)
+
+
+def test_prompts_asset_names_the_string_messages_record_and_counts_it_when_skipped(graph, tmp_path):
+    f = tmp_path / "chats.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({"messages": ["hi", "there"]}) + "\n")
+    cfg = {"sources": [str(f)], "include_humaneval": False, "eval_fraction": 0.0}
+    res = graph.materialize("prompts", config={"prompts": {"config": cfg}}, raise_on_error=False)
+    assert not res.success
+    assert f"{f}, line 2: messages[0] is a string, not an object: {MESSAGE_SHAPE}" in failure_text(res)
+    assert "AttributeError" not in failure_text(res)
+    ok = graph.materialize("prompts", config={"prompts": {"config": {**cfg, "on_bad_record": "skip"}}})
+    meta = {k: v.value for k, v in ok.asset_materializations_for_node("prompts")[0].metadata.items()}
+    assert (meta["bad_records_skipped"], meta["train_conversations"]) == (1, 1)
     graph.materialize("prompts")  # restore the fixture's prompts
