@@ -132,3 +132,27 @@ def save_kimi_k25_like(out: Path, *, layers: int = 8, hidden: int = 64, heads: i
         "in_patch_limit_each_frame": 4096, "temporal_merge_kernel_size": 4, "sample_fps": 2.0,
         "timestamp_mode": "hh:mm:ss.fff", "config_type": "image"}}, indent=2))
     return TinyTarget(out, tc, len(tok))
+
+
+def save_tiny_llama(out: Path) -> Path:
+    """A 2-layer Llama with the SmolLM2 tokenizer whose every greedy step says " the": one hidden dimension is
+    held large by the embeddings, the final norm keeps only it, and the head reads it into that one token.
+    The loop a badly suited target or template gives, never reaching the end of the turn."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = smollm2_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    the = tok(" the", add_special_tokens=False)["input_ids"][0]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         eos_token_id=eos, pad_token_id=eos, bos_token_id=tok.bos_token_id))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 50.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[the, 0] = 1.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -44,6 +44,7 @@ class Engine(Protocol):
     EXTRACT_PROBE: str  # ... can it extract hidden states for the target?
     WARM_UP: bool  # send one request before measuring (compilation/warm-up out of the figures)
     LAYER_IDS_FIELD: str  # the config field (dotted) its export dialect names the aux layers in
+    GENERATION_FIELDS: dict  # added to a /v1/completions request that generates training data (token ids back)
 
     # ---- serving (serve_bench; generate's server backend: drafter=None) ----
     def server_command(self, python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,

@@ -1,4 +1,4 @@
-"""Stage `generate`: the target regenerates every assistant turn of the training prompts."""
+"""Stage `generate`: the target regenerates every assistant turn of the training prompts, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -19,10 +19,18 @@ class GenerateSettings(Settings):
     ready_timeout_s: float = Field(default=1200, gt=0, description="server backends: how long the server may take "
                                    "to load the target")
     max_new_tokens: int = Field(default=256, gt=0, description="per assistant turn")
-    temperature: float = Field(default=0.0, ge=0, description="0 = greedy, matching greedy serving and offline "
-                               "acceptance")
+    temperature: float = Field(default=0.0, ge=0, description="the first reply to each prompt: 0 = greedy, "
+                               "matching greedy serving and offline acceptance")
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int = 0
+    responses_per_prompt: int = Field(default=1, ge=1, le=64, description="replies per training prompt, each its own "
+                                      "conversation: the first as above, the others sampled (sample_temperature, "
+                                      "sample_top_p, sample_seed)")
+    sample_temperature: float = Field(default=0.8, gt=0, description="the extra replies' sampling temperature")
+    sample_top_p: float = Field(default=0.95, gt=0, le=1)
+    sample_seed: int = 1
+    max_bad_reply_share: float = Field(default=0.5, ge=0, le=1, description="fail the stage when more than this share "
+                                       "of the replies are empty or loop (the same few tokens over and over)")
     batch_size: int = Field(default=32, gt=0, description="conversations generated together")
     max_prompt_tokens: int = Field(default=2048, gt=0, description="a conversation whose history grows past this "
                                    "ends there")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -13,9 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import hidden_states
+from conftest import hidden_states, run_stage
 from eagle3_assets.common.shard_format import default_aux_layers
 from eagle3_assets.worker.files import hash_files
+from tiny_targets import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +82,89 @@ def test_conversations_are_the_targets_own_greedy_replies(built, target):
     for r in rows:
         roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
         assert roles[::2] == ["user"] * (len(roles) // 2) and roles[1::2] == ["assistant"] * (len(roles) // 2)
-    # The first reply of the first conversation equals the target's greedy continuation.
+    # The last reply of the first conversation is the target's greedy continuation of exactly the prompt it was
+    # fed, kept as produced: nothing stripped, its end-of-turn token only if it emitted one.
     first = rows[0]["messages"]
-    i = next(k for k, m in enumerate(first) if m["role"] == "assistant")
-    prompt = tok.apply_chat_template(first[:i], tokenize=False, add_generation_prompt=True)
-    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
-    out = model.generate(**enc, max_new_tokens=12, do_sample=False)  # the same float32 as the fixture's batch
-    expected = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-    assert first[i]["content"] == expected
+    i = max(k for k, m in enumerate(first) if m["role"] == "assistant")
+    prompt = tok(tok.apply_chat_template(first[:i], tokenize=False, add_generation_prompt=True),
+                 return_tensors="pt", add_special_tokens=False)["input_ids"]
+    new = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()  # float32, as the fixture
+    eos = model.generation_config.eos_token_id
+    own = new[: new.index(eos) + 1] if eos in new else new
+    assert first[i]["content"] == tok.decode(own, skip_special_tokens=True)
+    assert rows[0]["input_ids"] == prompt[0].tolist() + own and rows[0]["loss_mask"][-len(own):] == [1] * len(own)
     meta = built.latest("conversations")
     assert meta["generated_tokens"] == sum(r["generated_tokens"] for r in rows) > 0
     assert meta["tokens_per_s"] > 0 and meta["sampling"]["temperature"] == 0.0
     assert meta["sampling"]["max_new_tokens"] == 12 and meta["backend"] == "hf"
+
+
+def test_sampled_replies_are_recorded_per_kind(built, tmp_path):
+    """responses_per_prompt 3: each prompt's greedy reply (the fixture's own) and two sampled ones, each its own
+    conversation, counted per kind; the same seeds give the same replies."""
+    args = {"target": built.latest("target_model")["path"], "prompts": str(built.workdir / "prompts/train.parquet"),
+            "limit": 2, "max_new_tokens": 12, "dtype": "float32", "batch_size": 6, "responses_per_prompt": 3,
+            "sample_temperature": 1.0}
+    done = run_stage(built.workdir, "generate", {**args, "out": str(tmp_path / "a.parquet")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+    rows = pq.read_table(tmp_path / "a.parquet").to_pylist()
+    fixture = {r["id"]: r for r in pq.read_table(built.workdir / "conversations/conversations.parquet").to_pylist()}
+    prompt_ids = [r["id"] for r in pq.read_table(built.workdir / "prompts/train.parquet").to_pylist()[:2]]
+    assert [r["id"] for r in rows] == [f"{p}{v}" for p in prompt_ids for v in ("", "~s1", "~s2")]
+    assert [r["kind"] for r in rows] == ["greedy", "sampled", "sampled"] * 2
+    for r in rows:
+        if r["kind"] == "greedy":  # the greedy reply is the one the graph trains on
+            assert r["input_ids"] == fixture[r["id"]]["input_ids"]
+    assert any(r["messages"][-1]["content"] != fixture[r["id"].split("~")[0]]["messages"][-1]["content"]
+               for r in rows if r["kind"] == "sampled")
+    assert (meta["greedy_conversations"], meta["sampled_conversations"], meta["prompts"]) == (2, 4, 2)
+    for kind in ("greedy", "sampled"):
+        assert meta[f"{kind}_generated_tokens"] == sum(r["generated_tokens"] for r in rows if r["kind"] == kind) > 0
+        assert meta[f"{kind}_loss_tokens"] == sum(r["num_loss_tokens"] for r in rows if r["kind"] == kind)
+    assert meta["sampling"]["sample_temperature"] == 1.0 and meta["responses_per_prompt"] == 3
+    again = run_stage(built.workdir, "generate", {**args, "out": str(tmp_path / "b.parquet")})
+    assert again.returncode == 0
+    assert pq.read_table(tmp_path / "b.parquet").to_pylist() == rows
+
+
+def test_a_cut_reply_gets_no_end_of_turn_it_never_wrote(built, tmp_path):
+    """A reply stopped by max_new_tokens ends at its last token; a finished one ends with the end-of-turn
+    token the target emitted, with loss on it."""
+    from eagle3_assets.worker.target.model import load_tokenizer
+
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"id": "short", "source": "t", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        {"id": "long", "source": "t", "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}]),
+        prompts)
+    target = built.latest("target_model")["path"]
+    done = run_stage(built.workdir, "generate", {"target": target, "prompts": str(prompts), "max_new_tokens": 24,
+                                                 "dtype": "float32", "out": str(tmp_path / "c.parquet")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "c.parquet").to_pylist()}
+    end = load_tokenizer(Path(target)).convert_tokens_to_ids("<|im_end|>")
+    assert rows["short"]["truncated_turns"] == 0 and rows["short"]["input_ids"][-1] == end
+    assert rows["short"]["loss_mask"][-1] == 1
+    assert rows["long"]["truncated_turns"] == 1 and rows["long"]["generated_tokens"] == 24
+    assert end not in rows["long"]["input_ids"][-24:] and rows["long"]["loss_mask"][-24:] == [1] * 24
+    assert rows["long"]["num_loss_tokens"] == 24  # the reply's own tokens, nothing after
+
+
+def test_looping_replies_are_counted_and_fail_the_stage_past_the_share(built, tmp_path):
+    target = save_tiny_llama(tmp_path / "tiny-llama")
+    args = {"target": str(target), "prompts": str(built.workdir / "prompts/train.parquet"), "limit": 3,
+            "max_new_tokens": 40, "dtype": "float32"}
+    done = run_stage(built.workdir, "generate", {**args, "out": str(tmp_path / "a.parquet")})
+    assert done.returncode == 2 and not (tmp_path / "a.parquet").exists()
+    assert "of 3 replies are empty and" in done.stderr and "100% in all, above max_bad_reply_share 50%" in done.stderr, \
+        done.stderr[-2000:]
+    kept = run_stage(built.workdir, "generate", {**args, "out": str(tmp_path / "b.parquet"), "max_bad_reply_share": 1})
+    assert kept.returncode == 0
+    meta = json.loads(next(x for x in kept.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+    assert meta["empty_replies"] + meta["degenerate_replies"] == 3 and meta["bad_reply_share"] == 1.0
+    # kept as generated all the same: every generated token is in the data, with loss
+    assert all(r["num_loss_tokens"] == r["generated_tokens"] > 0 for r in pq.read_table(tmp_path / "b.parquet").to_pylist())
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(built, target):

@@ -280,6 +280,7 @@ HEALTH = "/health"
 SERVER_ENV = {"FAKE_ENGINE": "1"}
 WARM_UP = True
 LAYER_IDS_FIELD = "fake_layer_ids"
+GENERATION_FIELDS = {}
 SUPPORT_PROBE = support_probe("fake", "")
 EXTRACT_PROBE = support_probe("fake", "")
 

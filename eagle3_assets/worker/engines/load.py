@@ -1,6 +1,6 @@
 """Load for an OpenAI-compatible server: streaming completions at a fixed concurrency, greedy, each request
-timed (time to first token, time per output token, output tokens). Standard library only, so it runs in
-any host environment next to the server it measures."""
+timed (time to first token, time per output token, output tokens); and whole completions for generating
+training data (`generate`). Standard library only, so it runs in any host environment next to the server."""
 
 from __future__ import annotations
 
@@ -35,13 +35,12 @@ class Response:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s: float = 600.0,
-             sampling: dict | None = None) -> Response:
-    """One streaming /v1/completions request, greedy unless `sampling` says otherwise; token ids in, so
-    every engine sees the same prompt tokens (no second chat template in the server)."""
+def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s: float = 600.0) -> Response:
+    """One streaming /v1/completions request, greedy; token ids in, so every engine sees the same prompt
+    tokens (no second chat template in the server)."""
     url = urlparse(base_url)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            **(sampling or {}), "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], None
@@ -77,17 +76,62 @@ def complete(base_url: str, model: str, req: Request, max_tokens: int, timeout_s
 
 
 def drive(base_url: str, model: str, requests: list[Request], max_tokens: int, concurrency: int,
-          on_done=None, sampling: dict | None = None) -> tuple[list[Response], float]:
+          on_done=None) -> tuple[list[Response], float]:
     """All requests, `concurrency` in flight at a time; returns responses in request order and wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(complete, base_url, model, r, max_tokens, sampling=sampling) for r in requests]
+        futures = [pool.submit(complete, base_url, model, r, max_tokens) for r in requests]
         out = []
         for f in futures:
             out.append(f.result())
             if on_done:
                 on_done(out[-1])
     return out, time.perf_counter() - t0
+
+
+@dataclass
+class Completion:
+    """One whole (non-streamed) completion, as generation for training data needs it."""
+    id: str
+    text: str
+    token_ids: list[int] | None  # the engine's own ids of the reply, where it returns them
+    finish_reason: str | None  # "stop": the model ended it; "length": max_tokens did
+    matched_stop: int | str | None = None  # SGLang: the stop token it ended on
+    error: str | None = None
+
+
+def _complete_whole(base_url: str, model: str, req: Request, max_tokens: int, fields: dict,
+                    timeout_s: float = 600.0) -> Completion:
+    url = urlparse(base_url)
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": max_tokens, **fields, "stream": False}
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            return Completion(req.id, "", None, None, error=f"HTTP {resp.status}: {data[:500].decode(errors='replace')}")
+        choice = json.loads(data)["choices"][0]
+    except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as e:
+        return Completion(req.id, "", None, None, error=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+    ids = choice.get("token_ids")
+    return Completion(req.id, choice.get("text") or "", list(ids) if ids is not None else None,
+                      choice.get("finish_reason"), choice.get("matched_stop"))
+
+
+def generate(base_url: str, model: str, requests: list[Request], max_tokens: int, concurrency: int,
+             fields: list[dict], on_done=None) -> list[Completion]:
+    """All requests, `concurrency` in flight, each with its own sampling fields; completions in request order."""
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(_complete_whole, base_url, model, r, max_tokens, f) for r, f in zip(requests, fields)]
+        out = []
+        for f in futures:
+            out.append(f.result())
+            if on_done:
+                on_done(out[-1])
+    return out
 
 
 def summarize(responses: list[Response], wall_s: float) -> dict:

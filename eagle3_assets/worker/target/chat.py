@@ -17,28 +17,41 @@ def first_turn_prompt(tok, messages: list[dict]) -> list[int]:
     return tok(render(tok, messages[: first_user + 1], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
-def tokenize_conversation(tok, messages: list[dict], conv_id: str = "?") -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a mask over the assistant turns' tokens (content and
-    end-of-turn marker, not the role header), found by rendering each prefix of the conversation."""
-    full = render(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
+def training_sequence(tok, messages: list[dict], prompt_ids: list[int], reply_ids: list[int], capped: list[bool],
+                      conv_id: str = "?") -> tuple[list[int], list[int]]:
+    """The sequence behind a conversation's last reply and its loss mask: `prompt_ids`, exactly what the target
+    was fed, then `reply_ids`, exactly what it produced (mask 1). Earlier assistant turns sit inside the prompt
+    as the chat template renders them: their content carries loss, their end-of-turn marker only where the
+    target emitted one (`capped[i]` false for the i-th reply)."""
+    history = messages[:-1]  # up to the last user turn; messages[-1] is the last reply
+    rendered = render(tok, history, add_generation_prompt=True)
+    spans, turn = [], 0
+    for i, m in enumerate(history):
         if m["role"] != "assistant":
             continue
-        head = render(tok, messages[:i], add_generation_prompt=True)
-        upto = render(tok, messages[: i + 1])
-        if not (full.startswith(upto) and upto.startswith(head)):
+        head = render(tok, history[:i], add_generation_prompt=True)
+        upto = render(tok, history[: i + 1])
+        if not (rendered.startswith(upto) and upto.startswith(head)):
             raise StageError(f"conversation {conv_id}: the chat template does not render prefixes of a "
                              "conversation as prefixes (it rewrites earlier turns), so assistant tokens cannot "
                              "be located for the loss mask")
-        spans.append((len(head), len(upto)))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        content = m["content"]
+        at = upto.find(content, len(head)) if content else len(head)
+        if at < 0:  # a template that trims the content
+            content = content.strip()
+            at = upto.find(content, len(head))
+        if at < 0:
+            spans.append((len(head), len(upto)))
+        else:
+            spans.append((at, at + len(content)))
+            if not capped[turn]:
+                spans.append((at + len(content), len(upto)))
+        turn += 1
+    enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    mask = [0] * len(ids)
-    j = 0
-    for t, (start, _end) in enumerate(enc["offset_mapping"]):
-        while j < len(spans) and start >= spans[j][1]:
-            j += 1
-        if j < len(spans) and spans[j][0] <= start < spans[j][1]:
-            mask[t] = 1
-    return ids, mask
+    if ids[len(ids) - len(prompt_ids):] != list(prompt_ids):
+        raise StageError(f"conversation {conv_id}: the prompt the target was fed is not the chat template's "
+                         "rendering of its history (the tokenizer is not deterministic?)")
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _end in enc["offset_mapping"]]
+    mask = mask[len(ids) - len(prompt_ids):]
+    return list(prompt_ids) + list(reply_ids), mask + [1] * len(reply_ids)

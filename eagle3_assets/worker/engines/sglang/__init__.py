@@ -21,6 +21,9 @@ HEALTH = "/health"
 SERVER_INFO = "/get_server_info"
 SERVER_ENV: dict[str, str] = {}
 WARM_UP = False  # SGLang warms itself up; its accept length counts every request it served
+# Its /v1/completions choices carry text, finish_reason and matched_stop (the stop token), no token ids: the
+# generate stage tokenizes the text again (protocol.py, CompletionResponseChoice).
+GENERATION_FIELDS: dict = {}
 
 # Run with the engine's Python. SGLang captures EAGLE-3's aux hidden states through the target class's
 # `set_eagle3_layers_to_capture`; a target class without it cannot feed an EAGLE-3 draft.

