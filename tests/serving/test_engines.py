@@ -359,9 +359,9 @@ except stages.ArgsError as e:
     assert "'fake'" in str(e), e
 from eagle3_assets.assets.serving import engine_partitions
 assert engine_partitions.get_partition_keys() == ["vllm", "fake", "sglang"]
-from eagle3_assets.worker.data import generate
+from eagle3_assets.worker.data import backends
 from eagle3_assets.worker.serving import export
-assert "fake" in generate.BACKENDS
+assert "fake" in backends.BACKENDS
 assert export.layer_fields("fake", [2, 10, 20], 30) == {"fake_layer_ids": [102, 110, 120]}
 assert export.engine_capture_layers("fake", {"fake_layer_ids": [102, 110, 120]}, 30) == [2, 10, 20]
 print("listed")

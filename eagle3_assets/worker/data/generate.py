@@ -1,6 +1,5 @@
 """Stage `generate`: the target regenerates every assistant turn of the training prompts, so the drafter
-learns the target's own distribution. Backends: `hf`, batched `generate` in this process; each engine of
-worker/engines/ (`vllm`, `sglang`), the target served on the host and asked through its API, for large sets.
+learns the target's own distribution, on any backend of backends.py (hf in the worker, or a serving engine).
 
 Each prompt gets a greedy reply (the kind serving measures) and, with `responses_per_prompt` > 1, sampled
 ones: more of the target's own text from the same prompts. A reply is kept as the target produced it: the
@@ -9,22 +8,19 @@ max_new_tokens ends there, with no marker the target never wrote for the drafter
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ...common import engines
 from ..errors import StageError
 from ..files import atomic_file, require_file, resolve, sha256_file
 from ..target.chat import render, training_sequence
-from ..target.model import load_model, load_tokenizer
+from ..target.model import load_tokenizer
+from .backends import Completion, Sampler, Settings, backend, degenerate
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.generate import GenerateArgs
@@ -44,26 +40,13 @@ SCHEMA = pa.schema([
 KINDS = ("greedy", "sampled")
 
 
-@dataclass(frozen=True)
-class Kind:
-    """How one kind of reply is drawn."""
-    name: str
-    temperature: float
-    top_p: float
-    seed: int
-
-
 @dataclass
-class Reply:
-    prompt_ids: list[int]  # exactly what the target was fed
-    ids: list[int]  # what it produced, its end-of-turn token included when it emitted one
-    text: str  # decoded as produced (special tokens dropped, nothing stripped)
-    capped: bool  # stopped by max_new_tokens, not by the model
-    prompt_too_long: bool  # the history was cut to max_prompt_tokens
+class Reply(Completion):
+    prompt_too_long: bool = False  # the history was cut to max_prompt_tokens
 
 
 class _Conv:
-    def __init__(self, row: dict, kind: Kind, variant: int):
+    def __init__(self, row: dict, kind: Sampler, variant: int):
         # variant 0 is the prompt's greedy reply and keeps its id; sampled variants are "<id>~s<k>"
         self.id = row["id"] if variant == 0 else f"{row['id']}~s{variant}"
         self.source, self.kind, self.variant = row["source"], kind, variant
@@ -82,126 +65,13 @@ class _Conv:
 
     @property
     def seed(self) -> int:
-        """Each sampled variant its own seed: the same replies whatever the batches."""
+        """Each sampled variant its own seed (a server takes it per request; hf, per batch of its first)."""
         return self.kind.seed + 1_000_003 * self.variant
 
 
 def _prompt_ids(tok, messages: list[dict], max_prompt_tokens: int) -> tuple[list[int], bool]:
     ids = tok(render(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     return ids[-max_prompt_tokens:], len(ids) > max_prompt_tokens
-
-
-def eos_ids(tok, generation_config=None) -> set[int]:
-    eos = getattr(generation_config, "eos_token_id", None)
-    eos = eos if eos is not None else tok.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])
-
-
-@contextmanager
-def hf_backend(workdir: str, args: GenerateArgs, target, tok, reporter) -> Iterator:
-    """Batched `generate` in this process, batches of similar lengths (less padding)."""
-    import torch
-
-    model = load_model(target, args.dtype, args.device)
-    tok.padding_side = "left"  # decoder-only batched generation pads on the left
-    stops = eos_ids(tok, model.generation_config)
-
-    def complete(prompts: list[list[dict]], seeds: list[int], kind: Kind, prog) -> list[Reply]:
-        encoded = [_prompt_ids(tok, p, args.max_prompt_tokens) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][0]))
-        replies: list[Reply | None] = [None] * len(prompts)
-        sample = kind.temperature > 0
-        for start in range(0, len(order), args.batch_size):
-            idx = order[start: start + args.batch_size]
-            width = max(len(encoded[i][0]) for i in idx)
-            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            ids = torch.tensor([[pad] * (width - len(encoded[i][0])) + encoded[i][0] for i in idx], device=model.device)
-            mask = torch.tensor([[0] * (width - len(encoded[i][0])) + [1] * len(encoded[i][0]) for i in idx],
-                                device=model.device)
-            if sample:
-                torch.manual_seed(seeds[idx[0]])  # a batch shares one generator: seeded by its first prompt's
-            with torch.inference_mode():
-                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                                     do_sample=sample, temperature=kind.temperature if sample else None,
-                                     top_p=kind.top_p if sample else None, pad_token_id=tok.pad_token_id)
-            batch_tokens = 0
-            for i, new in zip(idx, gen[:, width:].tolist()):
-                n = next((k for k, t in enumerate(new) if t in stops), None)
-                own = new[: n + 1] if n is not None else new
-                replies[i] = Reply(encoded[i][0], own, tok.decode(own, skip_special_tokens=True), n is None,
-                                   encoded[i][1])
-                batch_tokens += len(own)
-            prog.update(len(idx), tokens=batch_tokens)
-        return replies
-
-    yield complete
-
-
-def server_backend(engine_name: str):
-    """The target served by the engine on the host (the same launch code as serve_bench, without a drafter),
-    replies requested `batch_size` at a time through its OpenAI-compatible API: how large sets are
-    regenerated. Every request carries its own seed; the server's prefix cache shares a prompt's prefill
-    between its replies."""
-
-    @contextmanager
-    def backend(workdir: str, args: GenerateArgs, target, tok, reporter) -> Iterator:
-        from ..engines import load
-        from ..engines.server import EngineServer, check_support, free_port
-
-        engine = engines.get(engine_name)
-        python = args.engine_python or sys.executable
-        check_support(engine, python, target)
-        argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0,
-                                     dtype=args.dtype, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                     seed=args.seed, extra=list(args.extra_args or []))
-        env = {**engine.SERVER_ENV, **{str(k): str(v) for k, v in (args.env or {}).items()}}
-        log = resolve(workdir, args.out).parent / f"server-{engine_name}.log"
-        stops = eos_ids(tok)
-        with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]), log, env=env,
-                          health=engine.HEALTH) as server:
-            reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
-            ready = server.wait_ready(float(args.ready_timeout_s), reporter)
-            reporter.log(f"{engine_name} ready after {ready:.0f} s")
-
-            def complete(prompts: list[list[dict]], seeds: list[int], kind: Kind, prog) -> list[Reply]:
-                encoded = [_prompt_ids(tok, p, args.max_prompt_tokens) for p in prompts]
-                reqs = [load.Request(str(i), ids) for i, (ids, _) in enumerate(encoded)]
-                sampling = [{"temperature": kind.temperature, "top_p": kind.top_p, "seed": seed,
-                             **engine.GENERATION_FIELDS} for seed in seeds]
-                done = load.generate(server.base_url, "target", reqs, args.max_new_tokens, args.batch_size, sampling,
-                                     on_done=lambda c: prog.update(1, tokens=len(c.token_ids or ()) or 1))
-                bad = [c for c in done if c.error]
-                if bad:
-                    raise StageError(f"{len(bad)} generation requests to {engine_name} failed, first: {bad[0].error}"
-                                     + (f"\n{why}" if (why := server.died()) else ""))
-                return [_server_reply(c, e, tok, stops) for c, e in zip(done, encoded)]
-
-            yield complete
-
-    return backend
-
-
-def _server_reply(c, encoded: tuple[list[int], bool], tok, stops: set[int]) -> Reply:
-    """An engine's completion as ids: its own token ids where it returns them (vLLM: `return_token_ids`), else
-    the text tokenized again (SGLang's completions carry none), with the end-of-turn token it stopped on."""
-    stopped = c.finish_reason == "stop"
-    ids = list(c.token_ids) if c.token_ids is not None else tok(c.text, add_special_tokens=False)["input_ids"]
-    if stopped and not (ids and ids[-1] in stops):
-        ids.append(c.matched_stop if isinstance(c.matched_stop, int) else min(stops))
-    return Reply(encoded[0], ids, c.text, not stopped, encoded[1])
-
-
-BACKENDS = {"hf": hf_backend, **{name: server_backend(name) for name in engines.NAMES}}
-
-
-def degenerate(ids: list[int], n: int = 4, min_len: int = 32, min_distinct: float = 0.25) -> bool:
-    """A reply that loops: at least `min_len` tokens whose n-grams are mostly repeats (fewer than
-    `min_distinct` of them distinct). Looping replies are still the target's text; many of them say the
-    prompts or the generation settings do not suit this target."""
-    if len(ids) < min_len:
-        return False
-    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
-    return len(set(grams)) / len(grams) < min_distinct
 
 
 def run(workdir: str, args: GenerateArgs, reporter) -> None:
@@ -221,8 +91,8 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
     args = args.model_copy(update={"dtype": dtype_info["dtype"]})
     reporter.log(line(dtype_info))
 
-    first = Kind("greedy" if args.temperature == 0 else "sampled", args.temperature, args.top_p, args.seed)
-    extra = Kind("sampled", args.sample_temperature, args.sample_top_p, args.sample_seed)
+    first = Sampler("greedy" if args.temperature == 0 else "sampled", args.temperature, args.top_p, args.seed)
+    extra = Sampler("sampled", args.sample_temperature, args.sample_top_p, args.sample_seed)
     convs = [_Conv(r, first if v == 0 else extra, v) for r in rows for v in range(args.responses_per_prompt)]
     total_turns = sum(sum(m["role"] == "user" for m in c.todo) for c in convs)
     reporter.log(f"regenerating {total_turns} assistant turns of {len(convs)} conversations ({len(rows)} prompts x "
@@ -230,16 +100,18 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
                  f"{args.max_new_tokens}; first reply temperature {first.temperature}, top_p {first.top_p}"
                  + (f"; the others temperature {extra.temperature}, top_p {extra.top_p}"
                     if args.responses_per_prompt > 1 else "") + f"; batch={args.batch_size})")
-    with BACKENDS[args.backend](workdir, args, target, tok, reporter) as complete, \
+    settings = Settings.of(args, max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    with backend(settings, target, tok, out.parent, reporter) as complete, \
             reporter.progress("generate", total_turns, unit="turns") as prog:
         t0 = time.monotonic()
         pending = [(c, p) for c in convs if (p := c.next_prompt()) is not None]
         while pending:
             nxt = []
             for kind in sorted({c.kind for c, _ in pending}, key=lambda k: k.name):  # a batch shares its sampling
-                group = [(c, p) for c, p in pending if c.kind == kind]
-                for (conv, _), reply in zip(group, complete([p for _, p in group], [c.seed for c, _ in group],
-                                                            kind, prog)):
+                group = [(c, _prompt_ids(tok, p, args.max_prompt_tokens)) for c, p in pending if c.kind == kind]
+                done = complete([ids for _, (ids, _) in group], [c.seed for c, _ in group], kind, prog)
+                for (conv, (_, cut)), c in zip(group, done):
+                    reply = Reply(c.prompt_ids, c.ids, c.text, c.capped, cut)
                     conv.replies.append(reply)
                     conv.out.append({"role": "assistant", "content": reply.text})
                     if reply.prompt_too_long:
