@@ -13,7 +13,7 @@ from .assets.serving import engine_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
 from .hosts import GpuHost, LocalGpuHost, SshGpuHost
 
-PREPARE_DATA = ["target_model", "prompts", "conversations", "vocab_mapping"]
+PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
 
 
@@ -52,7 +52,8 @@ check_host_job = dg.define_asset_job(
     description="is the GPU host ready: Python and worker deps, worker code, GPUs, free disk for the hidden states")
 prepare_data_job = dg.define_asset_job(
     "prepare_data", selection=PREPARE_DATA,
-    description="target model, prompts, regenerated conversations and the draft vocab (registers the shards)")
+    description="target model, prompts, the target's own prompts, regenerated conversations and the draft vocab "
+                "(registers the shards)")
 extract_hidden_states_job = dg.define_asset_job(
     "extract_hidden_states", selection=["hidden_state_shards"], partitions_def=shard_partitions,
     description="one hidden-state shard per run; launch a backfill over all partitions for the whole set")

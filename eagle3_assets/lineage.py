@@ -15,8 +15,8 @@ BENCHMARK = dg.AssetKey("serving_benchmark")
 POINTER = "dagster/input_event_pointer/"
 CODE_VERSION = "dagster/code_version"  # the asset's code_version when it ran (code_versions.py), per materialization
 # The chain a benchmark row carries, downstream first.
-CHAIN = ["drafter_export", "eagle3_drafter", "vocab_mapping", "hidden_state_shards", "conversations", "prompts",
-         "target_model"]
+CHAIN = ["drafter_export", "eagle3_drafter", "vocab_mapping", "hidden_state_shards", "conversations",
+         "synthetic_prompts", "prompts", "target_model"]
 # Whose code versions a row carries: the benchmark's own code, then the chain's.
 CODED = ["serving_benchmark"] + CHAIN
 
@@ -99,6 +99,8 @@ def history_row(instance: dg.DagsterInstance, rec) -> dict[str, Any]:
         "speedup": meta.get("speedup"),
         "checkpoint": meta.get("checkpoint") or up.get("eagle3_drafter", {}).get("data_version"),
         "training_config": json.dumps(up.get("eagle3_drafter", {}).get("config", {}), sort_keys=True),
+        # what the target wrote itself and how (empty: human prompts alone, or before synthetic_prompts existed)
+        "synthetic_prompts_config": json.dumps(up.get("synthetic_prompts", {}).get("config", {}), sort_keys=True),
     }
     for asset in CHAIN:
         row[f"{asset}_version"] = up.get(asset, {}).get("data_version")
@@ -118,6 +120,9 @@ def differences(old: dict, new: dict) -> list[str]:
         out.append(f"new checkpoint: {str(old['checkpoint'])[:12]} -> {str(new['checkpoint'])[:12]}")
         if old["training_config"] != new["training_config"]:
             out.append(f"training config changed: {old['training_config']} -> {new['training_config']}")
+        if old.get("synthetic_prompts_config") != new.get("synthetic_prompts_config"):
+            out.append(f"synthetic prompts' settings changed: {old.get('synthetic_prompts_config')} -> "
+                       f"{new.get('synthetic_prompts_config')}")
         for asset in CHAIN[2:-1]:
             if old[f"{asset}_version"] != new[f"{asset}_version"]:
                 out.append(f"{asset} changed: {str(old[f'{asset}_version'])[:12]} -> {str(new[f'{asset}_version'])[:12]}")

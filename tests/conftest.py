@@ -206,8 +206,9 @@ def graph(instance, tmp_path_factory) -> Graph:
 
 @pytest.fixture(scope="session")
 def built(graph: Graph) -> Graph:
-    """target_model -> prompts -> conversations -> vocab_mapping, then both shard partitions."""
-    graph.materialize("target_model", "prompts", "conversations", "vocab_mapping")
+    """target_model -> prompts -> synthetic_prompts (none) -> conversations -> vocab_mapping, then both shard
+    partitions."""
+    graph.materialize("target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping")
     for key in graph.instance.get_dynamic_partitions("hidden_state_shards"):
         graph.materialize("hidden_state_shards", partition=key)
     return graph

@@ -17,7 +17,8 @@ import subprocess
 import sys
 
 # What `python -m eagle3_assets.worker` imports on the host (the control plane's own deps are not needed).
-WORKER_DEPS = ["dagster-pipes", "pydantic", "torch", "transformers", "safetensors", "accelerate", "pyarrow", "numpy", "tqdm"]
+WORKER_DEPS = ["dagster-pipes", "pydantic", "torch", "transformers", "safetensors", "accelerate", "pyarrow", "numpy", "tqdm",
+               "datasketch"]
 
 
 # The packages a worker imports: its own, the stage contracts it validates its arguments with, and what both

@@ -41,6 +41,8 @@ class GenerateSettings(Settings):
 class GenerateArgs(Args, GenerateSettings):
     target: str = Field(description="the target model directory")
     prompts: str = Field(description="training prompts (Parquet, the prompts asset's schema)")
+    extra_prompts: list[str] = Field(default=[], description="more prompts after them (the synthetic prompts), in the "
+                                     "same schema; `limit` counts the training prompts only")
     out: str = Field(description="the regenerated conversations' Parquet file")
     device: str = Field(default="auto", description="hf backend: auto, cpu, cuda, cuda:N")
 

@@ -20,6 +20,7 @@ STAGES = {
     "prepare_target": _lazy("target.prepare"),
     "generate": _lazy("data.generate"),
     "vocab": _lazy("data.vocab"),
+    "synthesize": _lazy("data.synthesize"),
     "extract": _lazy("hidden_states.extract"),
     "train": _lazy("training.trainer"),
     "export": _lazy("serving.export"),

@@ -47,7 +47,8 @@ def home(tmp_path_factory):
 
 def test_main_command_materializes_everything_into_dagster_home(home):
     with dg.DagsterInstance.from_config(str(home)) as inst:
-        for name in ("host_preflight", "target_model", "prompts", "conversations", "vocab_mapping", "eagle3_drafter",
+        for name in ("host_preflight", "target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping",
+                     "eagle3_drafter",
                      "drafter_export", "offline_acceptance"):
             assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
         keys = inst.get_dynamic_partitions("hidden_state_shards")
@@ -98,8 +99,8 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
             time.sleep(1)
         assert data and data["assetNodes"], "the webserver did not load the code location"
         nodes = {n["assetKey"]["path"][0]: n["groupName"] for n in data["assetNodes"]}
-        assert nodes == {**{a: "data" for a in ("target_model", "prompts", "conversations", "hidden_state_shards",
-                                                 "vocab_mapping")},
+        assert nodes == {**{a: "data" for a in ("target_model", "prompts", "synthetic_prompts", "conversations",
+                                                 "hidden_state_shards", "vocab_mapping")},
                          **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")},
                          "host_preflight": "host",
                          **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression")}}

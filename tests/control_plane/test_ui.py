@@ -90,7 +90,8 @@ def test_the_catalog_shows_every_asset(ui, page):
     page.goto(f"{base}/assets", wait_until="networkidle")
     _dismiss_welcome(page)
     names = sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())
-    assert names == sorted(["host_preflight", "target_model", "prompts", "conversations", "hidden_state_shards",
+    assert names == sorted(["host_preflight", "target_model", "prompts", "synthetic_prompts", "conversations",
+                            "hidden_state_shards",
                             "vocab_mapping", "eagle3_drafter", "drafter_export", "offline_acceptance",
                             "serving_benchmark", "benchmark_history", "benchmark_regression"])
     for name in names:

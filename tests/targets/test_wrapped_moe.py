@@ -49,7 +49,7 @@ def pipeline(kimi, tmp_path_factory):
     with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("kimi_dagster_home"))) as instance:
         g = Graph(instance, tmp_path_factory.mktemp("kimi_host_work"))
         cfg = _config(kimi.path)
-        g.materialize("target_model", "prompts", "conversations", "vocab_mapping", config=cfg)
+        g.materialize("target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping", config=cfg)
         for key in instance.get_dynamic_partitions("hidden_state_shards"):
             g.materialize("hidden_state_shards", partition=key, config=cfg)
         g.materialize("eagle3_drafter", config=cfg)

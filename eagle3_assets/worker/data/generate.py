@@ -81,6 +81,8 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
     rows = pq.read_table(prompts).to_pylist()
     if args.limit:
         rows = rows[: int(args.limit)]
+    for extra in args.extra_prompts:
+        rows += pq.read_table(require_file(resolve(workdir, extra), "more prompts", "materialize them first")).to_pylist()
     if not rows:
         raise StageError(f"{prompts} holds no conversations: add prompt sources to the prompts asset")
     target = resolve(workdir, args.target)
@@ -164,6 +166,8 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
         "assistant_turns": total_turns,
         **{f"{k}_{what}": stats[f"{k}_{what}"] for k in KINDS
            for what in ("conversations", "generated_tokens", "loss_tokens")},
+        "conversations_by_source": dict(Counter(r["source"] for r in records)),
+        "loss_tokens_by_source": dict(sum((Counter({r["source"]: r["num_loss_tokens"]}) for r in records), Counter())),
         "generated_tokens": gen_tokens,
         "tokens_per_s": round(gen_tokens / max(wall, 1e-9), 2),
         "wall_s": round(wall, 2),

@@ -1,0 +1,224 @@
+"""Stage `synthesize`: prompts written by the target itself, more training data from the model alone.
+
+The chat template is rendered up to where the user's words begin and the target, sampled, writes them
+(Magpie); `seeded` begins the turn with the first words of a human training prompt, so the target writes in
+its topics and kinds; `mixed` alternates. A candidate is dropped when it is unfinished (no end of turn within
+max_new_tokens), empty, too short or too long, a refusal, looping, or a near duplicate (MinHash LSH) of a
+human prompt, training or held out, or of an earlier synthetic prompt.
+
+Candidates are generated `chunk_size` at a time, chunk i with seed + i, and each chunk is kept on disk as it
+is written: a rerun with the same generation settings reuses the chunks there and keeps the same set, and
+changing only the filters re-judges them without generating again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import StageError
+from ..files import atomic_file, hash_files, require_file, resolve, sha256_file
+from ..target.chat import render
+from ..target.model import load_tokenizer, weight_files
+from .backends import Sampler, Settings, backend, degenerate
+from .dedup import NearDuplicates
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.synthesize import SynthesizeArgs
+
+SCHEMA = pa.schema([  # the prompts asset's
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("num_user_turns", pa.int32()),
+])
+SOURCE = "synthetic"
+_MARK = "\x00user-text\x00"
+# An assistant's reflexes written into the user's turn: the target answering, not asking
+_REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|sorry,|i cannot|i can'?t|as an ai|i'?m an ai|i am an ai|"
+                      r"i'?m not able|i am not able|i apologi[sz]e)", re.I)
+_ROLE_MARKS = re.compile(r"<\|im_start\|>|<\|im_end\|>|\b(user|assistant|system)\s*:\s*$", re.I | re.M)
+REASONS = ("unfinished", "empty", "too_short", "too_long", "refusal", "looping", "role_marks",
+           "near_training_prompt", "near_held_out_prompt", "near_synthetic_prompt")
+
+
+def user_turn_prefix(tok) -> str:
+    """The template rendered up to where a user's words begin (its default system message included)."""
+    text = render(tok, [{"role": "user", "content": _MARK}])
+    if _MARK not in text:
+        raise StageError("the chat template does not render a user message's text as given: the place where the "
+                         "user's words begin cannot be found, so the target cannot be asked to write them")
+    return text[: text.index(_MARK)]
+
+
+def _read(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def _first_user(row: dict) -> str:
+    return next((m["content"] for m in row["messages"] if m["role"] == "user"), "")
+
+
+def _fingerprint(args: SynthesizeArgs, target: Path, train: Path) -> dict:
+    """What decides the candidates (not the filters): a chunk kept on disk is reused only under the same."""
+    return {"target": hash_files(weight_files(target))[:32], "train": sha256_file(train)[:32],
+            **{k: getattr(args, k) for k in ("method", "seed_words", "temperature", "top_p", "seed",
+                                            "max_new_tokens", "chunk_size", "dtype")}}
+
+
+def _judge(c: dict, args: SynthesizeArgs, dedup: NearDuplicates) -> str | None:
+    text = c["text"].strip()
+    words = len(text.split())
+    if c["capped"]:
+        return "unfinished"
+    if not text:
+        return "empty"
+    if words < args.min_words:
+        return "too_short"
+    if words > args.max_words:
+        return "too_long"
+    if _REFUSAL.search(text):
+        return "refusal"
+    if degenerate(c["ids"], min_len=16, min_distinct=0.5):
+        return "looping"
+    if _ROLE_MARKS.search(text):
+        return "role_marks"
+    near = dedup.near(text)
+    if near:
+        kind = near[0].split(":", 1)[0]
+        return {"train": "near_training_prompt", "held": "near_held_out_prompt"}.get(kind, "near_synthetic_prompt")
+    return None
+
+
+class _Tokens:
+    """The backends' progress hook, counting generated tokens (the stage's progress counts kept prompts)."""
+
+    def __init__(self):
+        self.tokens = 0
+
+    def update(self, n: int, tokens: int = 0) -> None:
+        self.tokens += tokens
+
+
+def _write(out: Path, rows: list[dict]) -> str:
+    with atomic_file(out) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+    return sha256_file(out)[:32]
+
+
+def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
+    out = resolve(workdir, args.out)
+    train_path = require_file(resolve(workdir, args.train), "the human training prompts", "materialize prompts first")
+    held = [require_file(resolve(workdir, p), "held-out prompts", "materialize prompts first") for p in args.held_out]
+    settings = {k: getattr(args, k) for k in ("count", "method", "seed_words", "temperature", "top_p", "seed",
+                                              "max_new_tokens", "min_words", "max_words", "dedup_threshold")}
+    if args.count == 0:  # nothing asked for: no model is loaded
+        version = _write(out, [])
+        reporter.materialize(metadata={"path": str(out), "prompts": 0, "settings": settings}, data_version=version)
+        return
+
+    target = resolve(workdir, args.target)
+    tok = load_tokenizer(target)
+    from ..compute_dtype import choice, host_device, line
+
+    dtype_info = choice(args.dtype, host_device(args.device))
+    args = args.model_copy(update={"dtype": dtype_info["dtype"]})
+    reporter.log(line(dtype_info))
+    human = _read(train_path)
+    dedup = NearDuplicates(args.dedup_threshold)
+    for r in human:
+        dedup.add(f"train:{r['id']}", _first_user(r))
+    held_rows = [r for p in held for r in _read(p)]
+    for r in held_rows:
+        dedup.add(f"held:{r['id']}", _first_user(r))
+    seeds = [t.split() for t in map(_first_user, human) if t.split()]
+    if args.method != "magpie" and not seeds:
+        raise StageError(f"method {args.method} begins prompts with human ones, but {train_path} holds none")
+    prefix = tok(user_turn_prefix(tok), add_special_tokens=False)["input_ids"]
+
+    parts = out.with_name(out.name + ".parts")
+    fp = _fingerprint(args, target, train_path)
+    if parts.exists() and (not (parts / "fingerprint.json").exists()
+                           or json.loads((parts / "fingerprint.json").read_text()) != fp):
+        reporter.log(f"the candidates kept in {parts} were made with other settings: generating afresh")
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    (parts / "fingerprint.json").write_text(json.dumps(fp, sort_keys=True))
+
+    max_chunks = -(-int(args.count * args.max_candidates_per_prompt) // args.chunk_size)
+    kept, filtered, examples, candidates = [], Counter(), {}, 0
+    tokens, reused, t0 = _Tokens(), 0, time.monotonic()
+    sampler = Sampler("synthetic", args.temperature, args.top_p, args.seed)
+    reporter.log(f"writing {args.count} prompts with {target.name} ({args.method}, temperature {args.temperature}, "
+                 f"top_p {args.top_p}) on {args.backend}; {len(human)} training and {len(held_rows)} held-out human "
+                 f"prompts to keep clear of")
+    with backend(Settings.of(args, max_model_len=len(prefix) + 64 + args.max_new_tokens), target, tok, out.parent,
+                 reporter) as complete, reporter.progress("synthesize", args.count, unit="prompts") as prog:
+        for chunk in range(max_chunks):
+            if len(kept) >= args.count:
+                break
+            path = parts / f"chunk-{chunk:05d}.jsonl"
+            if path.exists():
+                cands = [json.loads(x) for x in path.read_text().splitlines()]
+                reused += 1
+            else:
+                cands = _generate(complete, chunk, args, prefix, seeds, tok, sampler, tokens)
+                with atomic_file(path) as tmp:
+                    tmp.write_text("".join(json.dumps(c) + "\n" for c in cands))
+            before = len(kept)
+            for i, c in enumerate(cands):
+                candidates += 1
+                why = _judge(c, args, dedup)
+                if why is None:
+                    pid = f"syn-{chunk:05d}-{i:04d}"
+                    dedup.add(f"syn:{pid}", c["text"])
+                    kept.append({"id": pid, "source": SOURCE, "messages": [{"role": "user", "content": c["text"].strip()}],
+                                 "num_user_turns": 1})
+                    if len(kept) >= args.count:
+                        break
+                else:
+                    filtered[why] += 1
+                    examples.setdefault(why, c["text"][:160])
+            prog.update(len(kept) - before, tokens=0)
+    wall = time.monotonic() - t0
+    if len(kept) < args.count:
+        raise StageError(
+            f"only {len(kept)} of the {args.count} prompts asked for passed the filters after {candidates} candidates "
+            f"(max_candidates_per_prompt {args.max_candidates_per_prompt:g}); dropped: {dict(filtered)}. Lower count, "
+            "raise max_candidates_per_prompt, or loosen the filter that drops most (the candidates written so far "
+            f"are kept in {parts} and reused)")
+    version = _write(out, kept)
+    reporter.materialize(metadata={
+        "path": str(out), "prompts": len(kept), "candidates": candidates, "kept_share": round(len(kept) / candidates, 4),
+        **{f"dropped_{r}": filtered[r] for r in REASONS},
+        "generated_tokens": tokens.tokens, "chunks_reused": reused, "wall_s": round(wall, 2),
+        "prompts_per_s": round(len(kept) / max(wall, 1e-9), 3),
+        "mean_words": round(sum(len(r["messages"][0]["content"].split()) for r in kept) / len(kept), 1),
+        "settings": settings, **dtype_info,
+        "examples_kept": [r["messages"][0]["content"][:160] for r in random.Random(0).sample(kept, min(5, len(kept)))],
+        "examples_dropped": examples,
+    }, data_version=version)
+
+
+def _generate(complete, chunk: int, args: SynthesizeArgs, prefix: list[int], seeds: list[list[str]], tok,
+              sampler: Sampler, tokens: _Tokens) -> list[dict]:
+    """One chunk of candidates, each with its own seed and (seeded) its own human opening words."""
+    rng = random.Random(hashlib.sha256(f"{args.seed}:{chunk}".encode()).digest())
+    prompts, openings = [], []
+    for i in range(args.chunk_size):
+        seeded = args.method == "seeded" or (args.method == "mixed" and i % 2 == 1)
+        opening = " ".join(rng.choice(seeds)[: args.seed_words]) if seeded else ""
+        openings.append(opening)
+        prompts.append(prefix + (tok(opening, add_special_tokens=False)["input_ids"] if opening else []))
+    base = args.seed * 1_000_003 + chunk * args.chunk_size
+    done = complete(prompts, [base + i for i in range(len(prompts))], sampler, tokens)
+    return [{"text": o + c.text, "ids": c.ids, "capped": c.capped, "opening": o} for o, c in zip(openings, done)]
