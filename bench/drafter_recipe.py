@@ -11,6 +11,10 @@ claim). The target regenerates every split greedily, 256 new tokens, as the `con
     python bench/drafter_recipe.py serve NAME...      # vLLM (k=3, greedy, 128 tokens) + offline, on test
     python bench/drafter_recipe.py serve shipped --drafter $DAGSTER_HOME/host-work/drafter/default/model
     python bench/drafter_recipe.py table              # bench/results/drafter_recipe.md
+    python bench/drafter_recipe.py data human r4 s4   # round five: conversations + shards for the data points
+    python bench/drafter_recipe.py ablate data_human data_r4 data_s4 --parallel 3
+    python bench/drafter_recipe.py pack data_r4 --out DIR   # a drafter in parts (a device's file limits)
+    python bench/drafter_recipe.py unpack DIR         # ... and back into drafters/, to `serve` it here
 
 Every step runs the same worker stages the Dagster assets run (`python -m eagle3_assets.worker ...`).
 Figures land in bench/results/drafter_recipe.jsonl (one line per measurement) and the table in
@@ -113,10 +117,21 @@ CHANGES.update({
 })
 for _name, _change in CHANGES.items():
     RECIPES[_name] = _on("r1_best", **_change)
+# Round five (issue 23): the shipped recipe (L3_e15) on more data the target writes itself, against the 400 human
+# prompts alone. r<k>: k replies to each training prompt (the greedy one, k-1 sampled); s<k>: k times the human
+# prompts' count in all, the rest prompts the target wrote (synthetic_prompts), each with its greedy reply.
+DATA: dict[str, dict] = {"human": {}, "r2": {"replies": 2}, "r4": {"replies": 4},
+                         "s2": {"synthetic": 400}, "s4": {"synthetic": 1200}, "s8": {"synthetic": 2800},
+                         "s16": {"synthetic": 6000}}
+for _name in DATA:
+    RECIPES[f"data_{_name}"] = {**RECIPES["L3_e15"], "data": _name}
 DESCRIBE = {
     "e5_native": "the shipped recipe at 5 epochs, format v1 (bf16) training shards",
     "e5_fp8": "the same on format v2 (fp8 e4m3, per-token scales) training shards",
     **{n: "r1_best + " + ", ".join(f"{k}={v}" for k, v in c.items()) for n, c in CHANGES.items()},
+    **{f"data_{n}": "L3_e15 on " + (f"{d['replies']} replies per training prompt" if "replies" in d else
+                                    f"400 human + {d['synthetic']} synthetic prompts" if "synthetic" in d else
+                                    "the 400 human prompts alone") for n, d in DATA.items()},
     "r1_best": "round one's best: lr_6e-4 + target-layer init + trained lm_head + loss on all tokens, 10 epochs",
     "n100": "r1_best on the first 100 training prompts (code and maths only: superseded by random subsets)",
     "n200": "r1_best on the first 200 training prompts (no writing, advice, trivia: superseded)",
@@ -150,7 +165,8 @@ def stage(workdir: Path, name: str, args: dict, python: str = sys.executable) ->
     # JSON lines on stdout (the data-parallel relay format): logs echoed here, metadata and result kept
     proc = subprocess.Popen([python, "-m", "eagle3_assets.worker", name, "--workdir", str(workdir), "--args-file", f.name],
                             stdout=subprocess.PIPE, stderr=sys.stderr, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "EAGLE3_REPORT_JSONL": "1"})
+                            env={**os.environ, "EAGLE3_REPORT_JSONL": "1",
+                                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     meta, result = {}, {}
     for msg in relayed(proc.stdout):
         kind = msg.get("kind")
@@ -192,7 +208,7 @@ def train_set_id(convs: list) -> str:
     return hashlib.sha256("".join(sorted(c.key for c in convs)).encode()).hexdigest()[:12]
 
 
-def prepare(w: Path, backend: str, target: str | None = None) -> None:
+def prepare(w: Path, backend: str, target: str | None = None, batch_size: int = 32) -> None:
     """Every step. Regenerations already in the workdir are kept (copied from another machine, say) while
     they hold the split's prompts; when the training split changed, what was derived from it goes too."""
     import shutil
@@ -219,7 +235,7 @@ def prepare(w: Path, backend: str, target: str | None = None) -> None:
         pq.write_table(prompts_table(convs), w / "prompts" / f"{name}.parquet")
         meta, res = stage(w, "generate", {"target": target, "prompts": f"prompts/{name}.parquet",
                                           "out": f"conversations/{name}.parquet", "backend": backend,
-                                          "max_new_tokens": 256, "temperature": 0.0, "batch_size": 32})
+                                          "max_new_tokens": 256, "temperature": 0.0, "batch_size": batch_size})
         timings[f"generate_{name}"] = res["_wall_s"]
         record({"step": f"generate {name}", "backend": backend, "prompts": len(convs), "wall_s": res["_wall_s"],
                 **{k: meta.get(k) for k in ("generated_tokens", "tokens", "loss_tokens", "tokens_per_s")}})
@@ -256,6 +272,58 @@ def subset(w: Path, n: int, kind: str = "first") -> str:
     return name
 
 
+REPLIES_MAX, SYNTHETIC_MAX = 4, 6000  # each made once, the smaller points are its subsets
+
+
+def data_split(w: Path, name: str, backend: str = "hf", batch_size: int = 128) -> str:
+    """The conversations of data point `name` (DATA) as their own split, made on first use: the sampled replies
+    (responses_per_prompt REPLIES_MAX) and the synthetic prompts with their replies (SYNTHETIC_MAX of them),
+    each generated once and cut down to the point; what each took is recorded (`data` rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = DATA[name]
+    if not spec:
+        return "train"
+    split = f"train-{name}"
+    path = w / "conversations" / f"{split}.parquet"
+    if path.exists():
+        return split
+    info = json.loads((w / "prepared.json").read_text())
+    gen = {"target": info["target"], "backend": backend, "max_new_tokens": 256, "batch_size": batch_size}
+    if "replies" in spec:
+        full = w / "conversations" / f"train-replies{REPLIES_MAX}.parquet"
+        if not full.exists():
+            meta, res = stage(w, "generate", {**gen, "prompts": "prompts/train.parquet", "out": str(full),
+                                              "responses_per_prompt": REPLIES_MAX})
+            record({"step": "data", "made": full.name, "wall_s": res["_wall_s"], "dtype": meta.get("dtype"),
+                    **{k: meta.get(k) for k in ("conversations", "generated_tokens", "loss_tokens", "tokens_per_s",
+                                                "greedy_loss_tokens", "sampled_loss_tokens", "bad_reply_share")}})
+        rows = pq.read_table(full).to_pylist()
+        keep = {f"~s{v}" for v in range(1, spec["replies"])}
+        table = pa.Table.from_pylist([r for r in rows if "~s" not in r["id"] or r["id"][r["id"].index("~s"):] in keep])
+    else:
+        prompts, convs = w / "prompts" / "synthetic.parquet", w / "conversations" / "synthetic.parquet"
+        if not convs.exists():
+            meta, res = stage(w, "synthesize", {"target": info["target"], "train": "prompts/train.parquet",
+                                                "held_out": ["prompts/dev.parquet", "prompts/test.parquet"],
+                                                "out": str(prompts), "count": SYNTHETIC_MAX, "backend": backend,
+                                                "batch_size": batch_size})
+            record({"step": "data", "made": prompts.name, "wall_s": res["_wall_s"],
+                    **{k: v for k, v in meta.items() if k.startswith("dropped_") or k in (
+                        "prompts", "candidates", "kept_share", "generated_tokens", "mean_words", "examples_kept",
+                        "examples_dropped")}})
+            meta, res = stage(w, "generate", {**gen, "prompts": str(prompts), "out": str(convs)})
+            record({"step": "data", "made": convs.name, "wall_s": res["_wall_s"],
+                    **{k: meta.get(k) for k in ("conversations", "generated_tokens", "loss_tokens", "tokens_per_s",
+                                                "bad_reply_share")}})
+        human = pq.read_table(w / "conversations" / "train.parquet")
+        synthetic = pq.read_table(convs).slice(0, spec["synthetic"]).select(human.column_names)
+        table = pa.concat_tables([human, synthetic.cast(human.schema)])
+    pq.write_table(table, path)
+    return split
+
+
 def shards_for(w: Path, split_name: str, aux_layers: list[int] | None, storage: str = "native") -> str:
     """The split's hidden states, extracted on first use (other aux layers than the default, subsets)."""
     import pyarrow.parquet as pq
@@ -280,13 +348,14 @@ def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
             stage(w, "vocab", {"target": info["target"], "conversations": "conversations/train.parquet", "out": vocab,
                                "draft_vocab_size": hp["draft_vocab_size"]})
     aux = hp.get("aux_layers")
-    train_split = subset(w, int(hp["train_prompts"]), hp.get("subset", "first")) if hp.get("train_prompts") else "train"
+    train_split = subset(w, int(hp["train_prompts"]), hp.get("subset", "first")) if hp.get("train_prompts") else \
+        data_split(w, hp["data"]) if hp.get("data") else "train"
     # `storage` is the training data's: the dev figures are always read from the same native shards
     train_shards, dev_shards = shards_for(w, train_split, aux, hp.get("storage", "native")), shards_for(w, "dev", aux)
     if inputs_only:
         return {}
     args = {k: v for k, v in hp.items() if k not in ("draft_vocab_size", "aux_layers", "train_prompts", "subset",
-                                                     "storage")}
+                                                     "storage", "data")}
     meta, res = stage(w, "train", {"target": info["target"], "shards": [train_shards], "eval_shards": [dev_shards],
                                    "vocab": vocab, "out": f"drafters/{name}", "resume": False, **args})
     row = {"step": "ablate", "recipe": name, "settings": hp,
@@ -294,7 +363,8 @@ def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
            "dev_per_position": [meta[f"heldout_accept_{i}"] for i in range(3)],
            "dev_curve": meta["heldout_curve"]["acceptance_length"],
            "train_wall_s": meta["wall_s"], "tokens_per_s": meta["tokens_per_s"], "stage_wall_s": res["_wall_s"],
-           "device": meta["device"], "train_set": info.get("train_set")}
+           "device": meta["device"], "train_set": info.get("train_set"),
+           "data": hp.get("data"), "train_tokens_per_epoch": meta.get("train_tokens_per_epoch")}
     record(row)
     print(json.dumps(row))
     return row
@@ -408,9 +478,47 @@ def measured(w: Path) -> dict[str, dict]:
             and r.get("train_set") == train_set}
 
 
+PART_BYTES = 15 << 20  # under a device's 16 MiB per returned file
+
+
+def pack(w: Path, names: list[str], out: Path) -> None:
+    """Each drafter as a tar cut into parts of PART_BYTES (NAME.tar.0, .1, ...), and the result rows."""
+    import io
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(w / "drafters" / name / "model", arcname="model")
+        data = buf.getvalue()
+        for i in range(0, len(data), PART_BYTES):
+            (out / f"{name}.tar.{i // PART_BYTES}").write_bytes(data[i: i + PART_BYTES])
+    if LOG.exists():
+        (out / LOG.name).write_text(LOG.read_text())
+
+
+def unpack(w: Path, src: Path) -> None:
+    """The drafters `pack` wrote, back under drafters/; the result rows merged into the log (no duplicates)."""
+    import io
+    import tarfile
+
+    for first in sorted(src.glob("*.tar.0")):
+        name = first.name.removesuffix(".tar.0")
+        parts = sorted(src.glob(f"{name}.tar.*"), key=lambda p: int(p.suffix[1:]))
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+            tar.extractall(w / "drafters" / name, filter="data")
+        print(f"unpacked {name}")
+    if (src / LOG.name).exists():
+        have = set(LOG.read_text().splitlines()) if LOG.exists() else set()
+        new = [x for x in (src / LOG.name).read_text().splitlines() if x not in have]
+        with LOG.open("a") as f:
+            f.writelines(x + "\n" for x in new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["prepare", "ablate", "reeval", "serve", "table"])
+    ap.add_argument("command", choices=["prepare", "data", "ablate", "reeval", "serve", "table", "pack", "unpack"])
     ap.add_argument("names", nargs="*", help="recipes (ablate: default all; serve: which to serve)")
     ap.add_argument("--workdir", default=str(ROOT / "bench" / "work" / "recipe"))
     ap.add_argument("--backend", default="vllm", help="prepare: regeneration backend (hf or vllm)")
@@ -419,13 +527,23 @@ def main() -> None:
     ap.add_argument("--drafter", help="serve: this drafter directory instead of drafters/NAME/model")
     ap.add_argument("--target", help="prepare: this target directory instead of the embedded one")
     ap.add_argument("--parallel", type=int, default=1, help="ablate: recipes trained at once (GPU host)")
+    ap.add_argument("--batch-size", type=int, default=32, help="prepare, data: generation batch (a GPU takes 128+)")
+    ap.add_argument("--out", help="pack: where the parts go; unpack: where they are")
     ap.add_argument("--force", action="store_true", help="ablate: train again recipes already measured on this "
                     "kind of device with the same settings (after a change to the training code, say)")
     a = ap.parse_args()
     w = Path(a.workdir).resolve()
     w.mkdir(parents=True, exist_ok=True)
     if a.command == "prepare":
-        prepare(w, a.backend, a.target)
+        prepare(w, a.backend, a.target, a.batch_size)
+    elif a.command == "data":
+        for name in a.names or list(DATA):
+            shards_for(w, data_split(w, name, a.backend, a.batch_size), None)
+    elif a.command == "pack":
+        pack(w, a.names, Path(a.out))
+        return
+    elif a.command == "unpack":
+        unpack(w, Path(a.out))
     elif a.command == "ablate":
         run_parallel(w, {n: RECIPES[n] for n in a.names or list(RECIPES)}, a.parallel, a.force)
     elif a.command == "reeval":  # a recipe's dev figures again, from its saved weights
