@@ -202,6 +202,14 @@ def splits() -> dict[str, list]:
             "test": [c for c, s in zip(held, second) if s == 1]}
 
 
+def prompts_table(convs):
+    """The prompts asset's table (assets/prompts.py), without the control plane: this runs on GPU hosts too."""
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{"id": c.id, "source": c.source, "messages": c.messages,
+                                  "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs])
+
+
 def train_set_id(convs: list) -> str:
     """Which training prompts a figure was measured on (ablation rows before this field: the first 400 of
     the 432 in file order, as `split` capped them then)."""
@@ -230,8 +238,6 @@ def prepare(w: Path, backend: str, target: str | None = None, batch_size: int = 
                 old.unlink()
             for old in (w / "hidden_states").glob("train-*"):
                 shutil.rmtree(old)
-        from eagle3_assets.assets.prompts import prompts_table
-
         pq.write_table(prompts_table(convs), w / "prompts" / f"{name}.parquet")
         meta, res = stage(w, "generate", {"target": target, "prompts": f"prompts/{name}.parquet",
                                           "out": f"conversations/{name}.parquet", "backend": backend,
@@ -272,7 +278,7 @@ def subset(w: Path, n: int, kind: str = "first") -> str:
     return name
 
 
-REPLIES_MAX, SYNTHETIC_MAX = 4, 6000  # each made once, the smaller points are its subsets
+REPLIES_MAX, SYNTHETIC_MAX = 4, int(os.environ.get("SYNTHETIC_MAX", 6000))  # each made once, cut down after
 
 
 def data_split(w: Path, name: str, backend: str = "hf", batch_size: int = 128) -> str:
@@ -313,7 +319,8 @@ def data_split(w: Path, name: str, backend: str = "hf", batch_size: int = 128) -
                     **{k: v for k, v in meta.items() if k.startswith("dropped_") or k in (
                         "prompts", "candidates", "kept_share", "generated_tokens", "mean_words", "examples_kept",
                         "examples_dropped")}})
-            meta, res = stage(w, "generate", {**gen, "prompts": str(prompts), "out": str(convs)})
+            meta, res = stage(w, "generate", {**gen, "prompts": str(prompts), "out": str(convs),
+                                              "limit": SYNTHETIC_MAX})
             record({"step": "data", "made": convs.name, "wall_s": res["_wall_s"],
                     **{k: meta.get(k) for k in ("conversations", "generated_tokens", "loss_tokens", "tokens_per_s",
                                                 "bad_reply_share")}})

@@ -110,7 +110,7 @@ def test_connection_cut_mid_stage_resumes_without_loss(built, sshd):
     seen = [m for m in messages if m in set(worker_lines)]
     assert seen == worker_lines, "every worker log line arrives once, in order"
     assert not list(rundir.parent.glob(rundir.name + ".attempt-*")), "the job was never started twice"
-    shards = sorted(p.name for p in (built.workdir / "hidden_states").iterdir())
+    shards = sorted(p.name for p in (built.workdir / "hidden_states").iterdir() if not p.name.startswith("."))
     assert shards == ["shard-00000", "shard-00001"], shards
     for shard in shards:
         manifest = json.loads((built.workdir / "hidden_states" / shard / "manifest.json").read_text())

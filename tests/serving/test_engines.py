@@ -379,3 +379,14 @@ def test_a_third_engine_is_one_file(tmp_path):
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path),
                                                        "PYTHONDONTWRITEBYTECODE": "1"})
     assert done.returncode == 0 and done.stdout.strip().endswith("listed"), done.stdout + done.stderr
+
+
+def test_an_engines_extract_stays_callable_once_its_extraction_code_is_loaded():
+    """A long-lived worker (a test, a notebook) extracts twice: the engine's extraction module must not replace
+    the engine's `extract` on the package when it is imported."""
+    import importlib
+
+    for name in engines.NAMES:
+        engine = engines.get(name)
+        importlib.import_module(f"{engine.__name__}.extraction")
+        assert callable(engine.extract), name

@@ -169,9 +169,9 @@ def capture_layers(aux: list[int], num_layers: int) -> tuple[list[int], list[int
 
 
 def extract(target, samples, tmp, aux_layers: list[int], num_layers: int, args, reporter, what: str):
-    from .extract import extract  # it finds this module through the registry: no import back
+    from .extraction import extract as run  # it finds this module through the registry: no import back
 
-    return extract(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
+    return run(target, samples, tmp, aux_layers, num_layers, args, reporter, what)
 
 
 # Whether the installed SGLang has what capture.py drives, from its own code.

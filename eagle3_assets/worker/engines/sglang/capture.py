@@ -1,5 +1,5 @@
 """Hidden-state capture with SGLang, in the engine's own environment: `python -m
-eagle3_assets.worker.engines.sglang.capture SPEC.json`, started by the extract stage (extract.py beside it).
+eagle3_assets.worker.engines.sglang.capture SPEC.json`, started by the extract stage (extraction.py beside it).
 
 SGLang has no server API that returns chosen layers (`return_hidden_states` gives the post-norm final state
 only), so this drives its model runner in-process, tensor parallel, the way SGLang's own offline script

@@ -1,7 +1,7 @@
 """Our KV connector for vLLM's `extract_hidden_states` method: it writes the hidden states of finished
 requests straight into a shard's part files (our format, hashed as written), with no per-request files to
 repack. Loaded by vLLM itself (`--kv-transfer-config` with `kv_connector_module_path` naming this module),
-so it runs inside the engine's processes and imports vLLM; the extract stage (extract.py beside it) is
+so it runs inside the engine's processes and imports vLLM; the extract stage (extraction.py beside it) is
 its client.
 
 How a shard is made: the client sends every sample as a `max_tokens=1` completion whose
