@@ -24,6 +24,7 @@ TINY = {
     "prompts": {"config": {"max_train_conversations": 6}},
     # float32: a batch padded on the left may flip a bf16 near-tie against the same prompt alone, and the
     # tests compare the replies with the target's own greedy continuation
+    "synthetic_prompts": {"config": {"count": 0}},  # the shared graph is the human prompts' (test_synthesis has its own)
     "conversations": {"config": {"max_new_tokens": 12, "samples_per_shard": 3, "batch_size": 6, "dtype": "float32"}},
     "hidden_state_shards": {"config": {"dtype": "float32", "batch_tokens": 256}},
     "vocab_mapping": {"config": {"draft_vocab_size": 64}},

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = """
 ops:
   prompts: {config: {max_train_conversations: 4}}
+  synthetic_prompts: {config: {count: 2, chunk_size: 4, batch_size: 4, max_new_tokens: 48}}
   conversations: {config: {max_new_tokens: 8, samples_per_shard: 2, extra_args: [--enforce-eager]}}
   vocab_mapping: {config: {draft_vocab_size: 128}}
   eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
@@ -51,8 +52,11 @@ def test_main_command_materializes_everything_into_dagster_home(home):
                      "eagle3_drafter",
                      "drafter_export", "offline_acceptance"):
             assert inst.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
+        # 4 human prompts and the 2 the target wrote, 2 conversations a shard
+        syn = inst.get_latest_materialization_event(dg.AssetKey("synthetic_prompts")).asset_materialization.metadata
+        assert syn["prompts"].value == 2
         keys = inst.get_dynamic_partitions("hidden_state_shards")
-        assert keys == ["00000", "00001"]
+        assert keys == ["00000", "00001", "00002"]
         done = inst.get_materialized_partitions(dg.AssetKey("hidden_state_shards"))
         assert done == set(keys)
         # lineage: the shards were built from exactly this target's weights and these conversations

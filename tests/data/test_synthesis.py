@@ -37,8 +37,8 @@ def _prompts(path: Path) -> list[tuple[str, str]]:
     return [(r["id"], r["messages"][0]["content"]) for r in pq.read_table(path).to_pylist()]
 
 
-def test_no_synthetic_prompts_by_default_and_no_model_loaded(built, tmp_path):
-    meta = _meta(run_stage(built.workdir, "synthesize", _args(built, tmp_path / "s.parquet")))
+def test_count_zero_writes_none_and_loads_no_model(built, tmp_path):
+    meta = _meta(run_stage(built.workdir, "synthesize", _args(built, tmp_path / "s.parquet", count=0)))
     assert meta["prompts"] == 0 and _prompts(tmp_path / "s.parquet") == []
     assert "dtype" not in meta  # nothing computed
     assert built.latest("synthetic_prompts")["prompts"] == 0  # the shared graph's conversations are the humans'

@@ -29,6 +29,7 @@ def _config(target: Path, **train) -> dict:
     return {
         "target_model": {"config": {"path": str(target)}},
         "prompts": {"config": {"max_train_conversations": 6}},
+        "synthetic_prompts": {"config": {"count": 0}},
         "conversations": {"config": {"max_new_tokens": 12, "samples_per_shard": 3, "batch_size": 6,
                                      "dtype": "float32"}},
         "hidden_state_shards": {"config": {"dtype": "float32", "batch_tokens": 256}},

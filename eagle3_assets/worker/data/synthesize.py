@@ -119,8 +119,12 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     out = resolve(workdir, args.out)
     train_path = require_file(resolve(workdir, args.train), "the human training prompts", "materialize prompts first")
     held = [require_file(resolve(workdir, p), "held-out prompts", "materialize prompts first") for p in args.held_out]
-    settings = {k: getattr(args, k) for k in ("count", "method", "seed_words", "temperature", "top_p", "seed",
-                                              "max_new_tokens", "min_words", "max_words", "dedup_threshold")}
+    human = _read(train_path)
+    if args.count is None:
+        args = args.model_copy(update={"count": round(args.per_training_prompt * len(human))})
+    settings = {k: getattr(args, k) for k in ("count", "per_training_prompt", "method", "seed_words", "temperature",
+                                              "top_p", "seed", "max_new_tokens", "min_words", "max_words",
+                                              "dedup_threshold")}
     if args.count == 0:  # nothing asked for: no model is loaded
         version = _write(out, [])
         reporter.materialize(metadata={"path": str(out), "prompts": 0, "settings": settings}, data_version=version)
@@ -133,7 +137,6 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     dtype_info = choice(args.dtype, host_device(args.device))
     args = args.model_copy(update={"dtype": dtype_info["dtype"]})
     reporter.log(line(dtype_info))
-    human = _read(train_path)
     dedup = NearDuplicates(args.dedup_threshold)
     for r in human:
         dedup.add(f"train:{r['id']}", _first_user(r))
