@@ -449,6 +449,24 @@ def table() -> str:
         out.append(f"| {name} | {r['vllm_acceptance_length']:.3f} | {fmt(r['vllm_per_position'])} | {offline} | "
                    f"{fmt(r.get('offline_per_position')) or '–'} | "
                    f"{r['teacher_forced_acceptance_length']:.3f} | {f'{first:.3f}' if first else '–'} | {r['prompts']} |")
+    data_rows = [(n, ablate[f"data_{n}"], served.get(f"data_{n}")) for n in DATA if f"data_{n}" in ablate]
+    if data_rows:
+        out += ["", "Round five (issue 23): the shipped recipe (L3_e15, 15 epochs) on more data the target wrote itself. "
+                "r<k>: k replies per human training prompt (the greedy one and k-1 sampled at temperature 0.8, top_p "
+                "0.95); s<k>: the 400 human prompts and (k-1) x 400 prompts the target wrote (synthetic_prompts, mixed "
+                "Magpie), each with its greedy reply. Dev: teacher-forced on the 74 dev prompts' replies; test: the 54 "
+                "test prompts in vLLM (k=3, greedy, 128 new tokens), offline and teacher-forced; train s on one H200, "
+                "five runs at once.", "",
+                "| data | train tokens / epoch | dev AL (teacher-forced) | dev per position | test vLLM AL | test "
+                "offline AL | test teacher-forced AL | train s |", "|---|---|---|---|---|---|---|---|"]
+        for n, r, v in data_rows:
+            def get(key, row=v):
+                return f"{row[key]:.3f}" if row and row.get(key) is not None else "–"
+            tokens = f"{r['train_tokens_per_epoch']:,}" if r.get("train_tokens_per_epoch") else "–"
+            out.append(f"| {n} | {tokens} | {r['dev_acceptance_length']:.3f} | "
+                       f"{fmt(r['dev_per_position'])} | {get('vllm_acceptance_length')} | "
+                       f"{get('offline_acceptance_length')} | {get('teacher_forced_acceptance_length')} | "
+                       f"{r['train_wall_s']:.0f} |")
     text = "\n".join(out) + "\n"
     (RESULTS / "drafter_recipe.md").write_text(text)
     return text

@@ -19,15 +19,16 @@ class SynthesizeSettings(Settings):
         default="mixed", description="magpie: the chat template up to the user's turn, the target writes the user's "
                                      "words; seeded: the same with the turn begun by the first words of a human "
                                      "training prompt (its topics and kinds); mixed: alternately")
-    seed_words: int = Field(default=3, ge=1, le=16, description="seeded: words of the human prompt that begin the turn")
+    seed_words: int = Field(default=3, ge=1, le=16, description="seeded: words of the human prompt that begin the turn "
+                            "(at most half of its words)")
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(default=0.95, gt=0, le=1)
     seed: int = 0
     max_new_tokens: int = Field(default=96, gt=0, description="a prompt longer than this is dropped as unfinished")
     min_words: int = Field(default=4, ge=1, description="shorter prompts are dropped")
     max_words: int = Field(default=200, gt=0, description="longer prompts are dropped")
-    dedup_threshold: float = Field(default=0.7, gt=0, le=1, description="estimated Jaccard similarity of word 3-gram "
-                                   "shingles (MinHash LSH) at which a prompt counts as a near duplicate of a human "
+    dedup_threshold: float = Field(default=0.7, gt=0, le=1, description="estimated Jaccard similarity of character "
+                                   "5-gram shingles (MinHash LSH) at which a prompt counts as a near duplicate of a human "
                                    "prompt (training or held out) or of an earlier synthetic one, and is dropped")
     max_candidates_per_prompt: float = Field(default=4.0, ge=1, description="give up (and fail) after count x this "
                                              "many candidates")

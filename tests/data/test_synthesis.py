@@ -46,13 +46,16 @@ def test_count_zero_writes_none_and_loads_no_model(built, tmp_path):
 
 def test_a_held_out_prompt_planted_among_the_candidates_is_dropped(built, tmp_path):
     """Candidates sit on disk chunk by chunk (what a rerun reuses): planted there, a held-out prompt, a near copy
-    of one (case, punctuation), a near copy of a training prompt and a repeat of an earlier candidate are
-    dropped as such; the rest pass."""
+    of one (case, punctuation), a training prompt with one word changed, the assistant's voice in the user's
+    turn and a repeat of an earlier candidate are dropped as such; the rest pass."""
     held = [r["messages"][0]["content"] for r in pq.read_table(built.workdir / "prompts/eval.parquet").to_pylist()]
     train = [r["messages"][0]["content"] for r in pq.read_table(built.workdir / "prompts/train.parquet").to_pylist()]
+    words = next(t for t in train if len(t.split()) >= 10).split()
+    words[len(words) // 2] = "zebra"
     fresh = ["Which three rivers meet at the city of Pittsburgh, and why did that matter for its trade?",
              "Suggest a weekly plan for learning to juggle five balls, starting from three."]
-    planted = [held[0], held[1].upper().rstrip(".?!") + " !", train[0], fresh[0], fresh[1], fresh[0]]
+    planted = [held[0], held[1].upper().rstrip(".?!") + " !", " ".join(words),
+               "Sure! Here is a short poem about the sea for you.", fresh[0], fresh[1], fresh[0]]
     out = tmp_path / "s.parquet"
     args = _args(built, out, count=2)
     parts = out.with_name(out.name + ".parts")
@@ -64,7 +67,8 @@ def test_a_held_out_prompt_planted_among_the_candidates_is_dropped(built, tmp_pa
     meta = _meta(run_stage(built.workdir, "synthesize", args))
     assert [t for _, t in _prompts(out)] == fresh
     assert meta["dropped_near_held_out_prompt"] == 2 and meta["dropped_near_training_prompt"] == 1
-    assert meta["chunks_reused"] == 1 and meta["candidates"] == 5  # it stops once it has its two
+    assert meta["dropped_assistant_voice"] == 1
+    assert meta["chunks_reused"] == 1 and meta["candidates"] == 6  # it stops once it has its two
 
 
 def test_a_resumed_synthesis_writes_the_same_set(built, tmp_path):

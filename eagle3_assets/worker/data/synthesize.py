@@ -43,11 +43,13 @@ SCHEMA = pa.schema([  # the prompts asset's
 ])
 SOURCE = "synthetic"
 _MARK = "\x00user-text\x00"
-# An assistant's reflexes written into the user's turn: the target answering, not asking
+# An assistant's reflexes written into the user's turn: the target refusing, or answering instead of asking
 _REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|sorry,|i cannot|i can'?t|as an ai|i'?m an ai|i am an ai|"
                       r"i'?m not able|i am not able|i apologi[sz]e)", re.I)
+_ASSISTANT = re.compile(r"^\s*(sure[,!.]|certainly[,!.]|of course[,!.]|absolutely[,!.]|i'?m here to help|"
+                        r"i am here to help|as an assistant|how can i (help|assist) you)", re.I)
 _ROLE_MARKS = re.compile(r"<\|im_start\|>|<\|im_end\|>|\b(user|assistant|system)\s*:\s*$", re.I | re.M)
-REASONS = ("unfinished", "empty", "too_short", "too_long", "refusal", "looping", "role_marks",
+REASONS = ("unfinished", "empty", "too_short", "too_long", "refusal", "assistant_voice", "looping", "role_marks",
            "near_training_prompt", "near_held_out_prompt", "near_synthetic_prompt")
 
 
@@ -88,6 +90,8 @@ def _judge(c: dict, args: SynthesizeArgs, dedup: NearDuplicates) -> str | None:
         return "too_long"
     if _REFUSAL.search(text):
         return "refusal"
+    if _ASSISTANT.search(text):
+        return "assistant_voice"
     if degenerate(c["ids"], min_len=16, min_distinct=0.5):
         return "looping"
     if _ROLE_MARKS.search(text):
@@ -219,7 +223,9 @@ def _generate(complete, chunk: int, args: SynthesizeArgs, prefix: list[int], see
     prompts, openings = [], []
     for i in range(args.chunk_size):
         seeded = args.method == "seeded" or (args.method == "mixed" and i % 2 == 1)
-        opening = " ".join(rng.choice(seeds)[: args.seed_words]) if seeded else ""
+        words = rng.choice(seeds)
+        # at most half the prompt: a short prompt's whole text as the opening would be a copy of it
+        opening = " ".join(words[: max(1, min(args.seed_words, len(words) // 2))]) if seeded else ""
         openings.append(opening)
         prompts.append(prefix + (tok(opening, add_special_tokens=False)["input_ids"] if opening else []))
     base = args.seed * 1_000_003 + chunk * args.chunk_size
