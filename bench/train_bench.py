@@ -72,7 +72,7 @@ def make_shard(out: Path, s: dict, lengths: list[int], device: str, part_tokens:
     import torch
 
     from eagle3_assets.worker.hidden_states.extract import publish_shard
-    from eagle3_assets.worker.hidden_states.parts import write_part
+    from eagle3_assets.worker.shards.parts import write_part
 
     H, tmp = s["hidden"], out.with_name(f".tmp-{out.name}")
     tmp.mkdir(parents=True, exist_ok=True)

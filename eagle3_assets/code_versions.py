@@ -72,14 +72,16 @@ def _imports(root: Path, module: str) -> set[str]:
             # to every other)
             if len(subs) < len(node.names) or not subs:
                 out.add(base)
-    # the engine registry finds its engines by name at run time (common/engines.py: `get`): a worker module that
-    # imports it may run any engine, every file of it (an engine's processes run some of them by module path);
-    # the stage contracts and the control plane import it for the names only
-    if f"{PACKAGE}.common.engines" in out and module.startswith(f"{PACKAGE}.worker."):
+    # the engine registry finds its engines by name at run time (worker/engines/__init__.py: `get`): a module
+    # that imports it may run any engine, every file of it (an engine's processes run some by module path)
+    engines = f"{PACKAGE}.worker.engines"
+    if engines in out and module != engines:
         for p in (root / "worker" / "engines").iterdir():
-            if p.name not in ("__init__.py", "__pycache__") and (p.suffix == ".py" or (p / "__init__.py").is_file()):
-                out.update(f"{PACKAGE}.worker.engines.{p.stem}.{f.stem}" if f.name != "__init__.py" else
-                           f"{PACKAGE}.worker.engines.{p.stem}" for f in ([p] if p.is_file() else p.glob("*.py")))
+            if p.is_file() and p.suffix == ".py" and p.name != "__init__.py":
+                out.add(f"{engines}.{p.stem}")
+            elif (p / "__init__.py").is_file():
+                out.update(f"{engines}.{p.name}" + ("" if f.name == "__init__.py" else f".{f.stem}")
+                           for f in p.glob("*.py"))
     # this module only names versions: a change to it changes what they are computed from, not what runs
     return {m for m in out if m != __name__ and _path(root, m) is not None}
 

@@ -99,7 +99,8 @@ def history_row(instance: dg.DagsterInstance, rec) -> dict[str, Any]:
         "speedup": meta.get("speedup"),
         "checkpoint": meta.get("checkpoint") or up.get("eagle3_drafter", {}).get("data_version"),
         "training_config": json.dumps(up.get("eagle3_drafter", {}).get("config", {}), sort_keys=True),
-        # what the target wrote itself and how (empty: human prompts alone, or before synthetic_prompts existed)
+        # the settings the synthetic prompts were written with, as the run set them ({}: all defaults, or no
+        # synthetic_prompts run before it; synthetic_prompts_version and its metadata say how many)
         "synthetic_prompts_config": json.dumps(up.get("synthetic_prompts", {}).get("config", {}), sort_keys=True),
     }
     for asset in CHAIN:

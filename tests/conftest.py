@@ -166,7 +166,7 @@ def hidden_states(part: dict) -> dict:
     per-token scales, dequantized), and each one's fp8 step per element (0 for v1) for the tolerances."""
     import torch
 
-    from eagle3_assets.worker.hidden_states.parts import dequantize_fp8
+    from eagle3_assets.worker.shards.parts import dequantize_fp8
 
     out = dict(part)
     for k in ("aux", "final"):

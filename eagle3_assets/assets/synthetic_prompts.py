@@ -23,6 +23,8 @@ def synthetic_prompts(context: dg.AssetExecutionContext, config: SyntheticPrompt
     other synthetic one; none when count is 0. Resumable: a rerun with the same settings reuses what was
     generated."""
     target = upstream_metadata(context, "target_model")["path"]
-    run = gpu_host.run_stage(context, "synthesize", {"target": target, "train": TRAIN, "held_out": HELD_OUT,
+    wrote = upstream_metadata(context, "prompts")  # HumanEval only when include_humaneval
+    held_out = [p for p, key in zip(HELD_OUT, ("eval_path", "eval_humaneval_path")) if wrote.get(key)]
+    run = gpu_host.run_stage(context, "synthesize", {"target": target, "train": TRAIN, "held_out": held_out,
                                                      "out": SYNTHETIC, **config.model_dump()})
     return run.materialize_result()

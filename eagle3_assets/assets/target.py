@@ -7,7 +7,7 @@ from ..stages.prepare_target import PrepareTargetSettings
 
 
 class TargetModelConfig(dg.Config, PrepareTargetSettings):
-    """The prepare_target stage's settings (eagle3_assets/stages/target.py)."""
+    """The prepare_target stage's settings (eagle3_assets/stages/prepare_target.py)."""
 
 
 @dg.asset(group_name="data", kinds={"pytorch"}, code_version=code_version(__name__, "target_model"))

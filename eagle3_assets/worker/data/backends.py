@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...common import engines
+from .. import engines
 from ..errors import StageError
 from ..target.model import load_model
 
@@ -118,7 +118,12 @@ def server_backend(engine_name: str):
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0, dtype=s.dtype,
                                      max_model_len=s.max_model_len, seed=s.seed, extra=list(s.extra_args))
         env = {**engine.SERVER_ENV, **dict(s.env)}
-        stops = eos_ids(tok)
+        from transformers import GenerationConfig
+
+        try:  # what the engine stops on: the generation config's end tokens, as hf's generate does
+            stops = eos_ids(tok, GenerationConfig.from_pretrained(target))
+        except OSError:  # no generation_config.json: the tokenizer's
+            stops = eos_ids(tok)
         with EngineServer(f"{engine_name} (generation)", argv, int(argv[argv.index("--port") + 1]),
                           log_dir / f"server-{engine_name}.log", env=env, health=engine.HEALTH) as server:
             reporter.log(f"starting {engine_name} for generation: {' '.join(argv[1:])}")
@@ -130,12 +135,14 @@ def server_backend(engine_name: str):
                 fields = [{"temperature": sampler.temperature, "top_p": sampler.top_p, "seed": seed,
                            **engine.GENERATION_FIELDS} for seed in seeds]
                 done = load.generate(server.base_url, "target", reqs, s.max_new_tokens, s.batch_size, fields,
-                                     on_done=lambda c: prog.update(1, tokens=len(c.token_ids or ()) or 1))
+                                     on_done=lambda c: prog.update(1))
                 bad = [c for c in done if c.error]
                 if bad:
                     raise StageError(f"{len(bad)} generation requests to {engine_name} failed, first: {bad[0].error}"
                                      + (f"\n{why}" if (why := server.died()) else ""))
-                return [_from_server(c, p, tok, stops) for c, p in zip(done, prompts)]
+                out = [_from_server(c, p, tok, stops) for c, p in zip(done, prompts)]
+                prog.update(0, tokens=sum(len(c.ids) for c in out))
+                return out
 
             yield complete
 
@@ -143,11 +150,14 @@ def server_backend(engine_name: str):
 
 
 def _from_server(c, prompt: list[int], tok, stops: set[int]) -> Completion:
-    """An engine's completion as ids: its own token ids where it returns them (vLLM: `return_token_ids`), else
-    the text tokenized again (SGLang's completions carry none), with the end-of-turn token it stopped on."""
+    """An engine's completion as ids: its own token ids where it returns them (vLLM's `return_token_ids`: the
+    stop token included), else the text tokenized again (SGLang's completions carry none) and the stop token
+    it names (`matched_stop`), or the first end token when it names none."""
     stopped = c.finish_reason == "stop"
-    ids = list(c.token_ids) if c.token_ids is not None else tok(c.text, add_special_tokens=False)["input_ids"]
-    if stopped and not (ids and ids[-1] in stops):
+    if c.token_ids is not None:
+        return Completion(prompt, list(c.token_ids), c.text, not stopped)
+    ids = tok(c.text, add_special_tokens=False)["input_ids"]
+    if stopped:
         ids.append(c.matched_stop if isinstance(c.matched_stop, int) else min(stops))
     return Completion(prompt, ids, c.text, not stopped)
 

@@ -125,6 +125,8 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
 
     records, stats, bad = [], Counter(), []
     for c in convs:
+        while c.out[-1]["role"] != "assistant":  # a system message after the last user turn: nothing answered it
+            c.out.pop()
         last = c.replies[-1]
         ids, mask = training_sequence(tok, c.out, last.prompt_ids, last.ids, [r.capped for r in c.replies], c.id)
         generated = sum(len(r.ids) for r in c.replies)

@@ -3,12 +3,14 @@
 The chat template is rendered up to where the user's words begin and the target, sampled, writes them
 (Magpie); `seeded` begins the turn with the first words of a human training prompt, so the target writes in
 its topics and kinds; `mixed` alternates. A candidate is dropped when it is unfinished (no end of turn within
-max_new_tokens), empty, too short or too long, a refusal, looping, or a near duplicate (MinHash LSH) of a
-human prompt, training or held out, or of an earlier synthetic prompt.
+max_new_tokens), empty, too short or too long, a refusal or the assistant's voice, looping, holding role
+markers, or a near duplicate (data/dedup.py) of a human prompt, training or held out, or of an earlier
+synthetic one.
 
-Candidates are generated `chunk_size` at a time, chunk i with seed + i, and each chunk is kept on disk as it
-is written: a rerun with the same generation settings reuses the chunks there and keeps the same set, and
-changing only the filters re-judges them without generating again."""
+Candidates are generated `chunk_size` at a time from seeds fixed by (seed, chunk) (a server takes one per
+candidate, hf one per batch, its first candidate's) and each chunk is kept on disk as it is written: a rerun
+with the same generation settings reuses the chunks there and keeps the same set, and changing only the
+filters re-judges them without generating again."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ SCHEMA = pa.schema([  # the prompts asset's
     ("num_user_turns", pa.int32()),
 ])
 SOURCE = "synthetic"
+OPENING_TOKENS = 32  # a seeded opening's most tokens
 _MARK = "\x00user-text\x00"
 # An assistant's reflexes written into the user's turn: the target refusing, or answering instead of asking
 _REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|sorry,|i cannot|i can'?t|as an ai|i'?m an ai|i am an ai|"
@@ -142,12 +145,12 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     args = args.model_copy(update={"dtype": dtype_info["dtype"]})
     reporter.log(line(dtype_info))
     dedup = NearDuplicates(args.dedup_threshold)
-    for r in human:
-        dedup.add(f"train:{r['id']}", _first_user(r))
+    for i, r in enumerate(human):  # by position: ids need not be unique across sources
+        dedup.add(f"train:{i}", _first_user(r))
     held_rows = [r for p in held for r in _read(p)]
-    for r in held_rows:
-        dedup.add(f"held:{r['id']}", _first_user(r))
-    seeds = [t.split() for t in map(_first_user, human) if t.split()]
+    for i, r in enumerate(held_rows):
+        dedup.add(f"held:{i}", _first_user(r))
+    seeds = [t.split() for t in map(_first_user, human) if len(t.split()) >= 2]
     if args.method != "magpie" and not seeds:
         raise StageError(f"method {args.method} begins prompts with human ones, but {train_path} holds none")
     prefix = tok(user_turn_prefix(tok), add_special_tokens=False)["input_ids"]
@@ -168,7 +171,7 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     reporter.log(f"writing {args.count} prompts with {target.name} ({args.method}, temperature {args.temperature}, "
                  f"top_p {args.top_p}) on {args.backend}; {len(human)} training and {len(held_rows)} held-out human "
                  f"prompts to keep clear of")
-    with backend(Settings.of(args, max_model_len=len(prefix) + 64 + args.max_new_tokens), target, tok, out.parent,
+    with backend(Settings.of(args, max_model_len=len(prefix) + OPENING_TOKENS + args.max_new_tokens), target, tok, out.parent,
                  reporter) as complete, reporter.progress("synthesize", args.count, unit="prompts") as prog:
         for chunk in range(max_chunks):
             if len(kept) >= args.count:
@@ -218,16 +221,21 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
 
 def _generate(complete, chunk: int, args: SynthesizeArgs, prefix: list[int], seeds: list[list[str]], tok,
               sampler: Sampler, tokens: _Tokens) -> list[dict]:
-    """One chunk of candidates, each with its own seed and (seeded) its own human opening words."""
+    """One chunk of candidates, each with its own sampling seed and (seeded) its own human opening words."""
     rng = random.Random(hashlib.sha256(f"{args.seed}:{chunk}".encode()).digest())
     prompts, openings = [], []
     for i in range(args.chunk_size):
         seeded = args.method == "seeded" or (args.method == "mixed" and i % 2 == 1)
-        words = rng.choice(seeds)
-        # at most half the prompt: a short prompt's whole text as the opening would be a copy of it
-        opening = " ".join(words[: max(1, min(args.seed_words, len(words) // 2))]) if seeded else ""
+        opening, ids = "", []
+        if seeded:
+            words = rng.choice(seeds)
+            # at most half the prompt (its whole text as the opening would copy it), and a bounded number of
+            # tokens (the server is sized for them: a long "word", a URL, would not fit)
+            ids = tok(" ".join(words[: min(args.seed_words, len(words) // 2)]), add_special_tokens=False)["input_ids"]
+            ids = ids[:OPENING_TOKENS]
+            opening = tok.decode(ids)
         openings.append(opening)
-        prompts.append(prefix + (tok(opening, add_special_tokens=False)["input_ids"] if opening else []))
+        prompts.append(prefix + ids)
     base = args.seed * 1_000_003 + chunk * args.chunk_size
     done = complete(prompts, [base + i for i in range(len(prompts))], sampler, tokens)
     return [{"text": o + c.text, "ids": c.ids, "capped": c.capped, "opening": o} for o, c in zip(openings, done)]

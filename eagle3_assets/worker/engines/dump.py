@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import StageError
-from ..hidden_states.writer import Sample
+from ..shards.writer import Sample
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.extract import ExtractArgs

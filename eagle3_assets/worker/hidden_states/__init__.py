@@ -1,2 +1,3 @@
-"""Hidden states: stage `extract` (the transformers backend; the engines' backends are in worker/engines/),
-the shard writer and the tensors of a shard part (fp8, part files). The format itself: common/shard_format.py."""
+"""Stage `extract`: the target's hidden states for every token of the conversations, through the transformers
+forward (the hf backend, here) or a serving engine (worker/engines/: each engine's extraction backend).
+The files they write: worker/shards/."""

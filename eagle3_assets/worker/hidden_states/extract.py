@@ -29,9 +29,9 @@ from ...common.shard_format import (
 )
 from ..errors import StageError
 from ..files import replace_dir, require_file, resolve
+from ..shards.parts import check_aux_layers, check_storage
+from ..shards.writer import Sample, ShardWriter
 from ..target.size import check_fits
-from .parts import check_aux_layers, check_storage
-from .writer import Sample, ShardWriter
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.extract import ExtractArgs
@@ -163,7 +163,7 @@ def load_samples(conversations: Path, shard: int, samples_per_shard: int, max_le
 
 
 def run(workdir: str, args: ExtractArgs, reporter) -> None:
-    from ...common import engines
+    from .. import engines
     from ..target.model import load_config, load_model, pick_device, text_config
 
     backend = args.backend

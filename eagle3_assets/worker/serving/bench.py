@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ...common import engines
+from .. import engines
 from ..engines import load
 from ..engines.server import EngineServer, check_support, free_port
 from ..errors import StageError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from ...common import engines
+from .. import engines
 from ..errors import StageError
 from ..files import resolve
 

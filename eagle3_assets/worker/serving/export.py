@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...common import engines
 from ...common.shard_format import default_aux_layers
+from .. import engines
 from ..errors import StageError
 from ..files import replace_dir, require_file, resolve
 from ..target.model import load_config, text_config

@@ -181,7 +181,7 @@ class AuxIds:
 def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
     """The aux layer ids a checkpoint was trained on, where its config keeps them and in whose convention
     (`model_type`: the target's text model, whose SGLang class may read eagle_config's ids its own way)."""
-    from ...common import engines
+    from .. import engines
 
     found = []
     for field, convention, offset in _ID_FIELDS:
@@ -204,7 +204,7 @@ def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
 
 
 def _readers(field: str) -> str:
-    from ...common import engines
+    from .. import engines
 
     return "/".join(e.TITLE for e in engines.reading(field)) or "another reader"
 

@@ -20,7 +20,7 @@ import torch
 from ...common.shard_format import INDEX, read_manifest
 from ..errors import StageError
 from ..files import sha256_file
-from ..hidden_states.parts import dequantize_fp8
+from ..shards.parts import dequantize_fp8
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """SGLang: whether the installed version can serve EAGLE-3 for a target, its server command line, its
 accept length, its export dialect (eagle_config's layer ids, read per model class) and its refusals, and
-hidden-state extraction through its model runner (capture.py, driven by extract.py). SGLang cannot run on the
+hidden-state extraction through its model runner (capture.py, driven by extraction.py). SGLang cannot run on the
 machines this project is tested on: this module is held to SGLang's documented flags and outputs
-(tests/test_engines.py checks both against the release we support). The engine interface is in
-eagle3_assets/common/engines.py (`Engine`).
+(tests/serving/test_engines.py checks both against the release we support). The engine interface is in
+eagle3_assets/worker/engines/__init__.py (`Engine`).
 
 SGLang reports the average accept length cumulatively since the server started (bonus token included, the
 same definition as vLLM's acceptance length), so each measurement gets a fresh server."""
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ....common.engines import support_probe
+from .. import support_probe
 
 NAME = "sglang"
 TITLE = "SGLang"

@@ -4,7 +4,7 @@ eagle3_assets.worker.engines.sglang.capture SPEC.json`, started by the extract s
 SGLang has no server API that returns chosen layers (`return_hidden_states` gives the post-norm final state
 only), so this drives its model runner in-process, tensor parallel, the way SGLang's own offline script
 `python -m sglang.bench_one_batch` does (held to SGLang 0.5.14; cannot run on the machines this project is
-tested on, see tests/test_engines.py for the contract checked against that release's source):
+tested on, see tests/serving/test_engines.py for the contract checked against that release's source):
 - one process per tensor-parallel rank and data-parallel group, each a `ModelRunner` (radix cache off,
   chunked prefill off, CUDA graphs off: every sample is one whole extend);
 - the aux layers through SGLang's capture (`capture_aux_hidden_states` + the text model's
@@ -45,7 +45,7 @@ def _rank(spec: dict, dp: int, tp_rank: int, port_args) -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from ....common.shard_format import part_tokens
-    from ...hidden_states.writer import Sample, ShardWriter
+    from ...shards.writer import Sample, ShardWriter
     from ..dump import mask_from_spans, parts_file, write_parts
 
     server_args = _server_args(spec)

@@ -2,7 +2,7 @@
 parallel (capture.py), writing the shard's parts as vLLM's connector does; this module
 starts it, shows its progress, and checks the dump exactly as for vLLM before anything is published.
 SGLang cannot run on the machines this project is tested on: this path is held to SGLang 0.5.14's code
-(tests/test_engines.py), not run."""
+(tests/serving/test_engines.py), not run."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ....common import engines
+from ... import engines
 from ...errors import StageError
-from ...hidden_states.writer import Sample
+from ...shards.writer import Sample
 from ..dump import collect, engine_run, loss_spans, stored_ids, validate_dump
 from ..server import EngineServer
 

@@ -1,14 +1,14 @@
 """vLLM, the reference engine: whether the installed version can serve EAGLE-3 for a target, its server command
 line, its acceptance counters from Prometheus `/metrics` (vllm/v1/spec_decode/metrics.py defines them), its
 export dialect (capture-before layer ids), and hidden-state extraction through `extract_hidden_states` and
-our KV connector. The engine interface is in engines/__init__.py (`Engine`)."""
+our KV connector. The engine interface is in worker/engines/__init__.py (`Engine`)."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from ....common.engines import support_probe
+from .. import support_probe
 
 NAME = "vllm"
 TITLE = "vLLM"

@@ -12,7 +12,7 @@ request per data-parallel engine; that engine finishes its last part and writes
 `engine-parts-d<dp>.json` (parts, index rows, problems). Only tensor-parallel rank 0 writes, and
 `get_finished_count() == 1` tells vLLM to expect one notification per request, or its blocks would never be
 freed. The layers arrive in the order of the capture ids; `columns` (extra config) says which are aux and
-which is the final state, so the translation between conventions lives in one place (engines/vllm.py).
+which is the final state, so the translation between conventions lives in one place (engines/vllm/__init__.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
 from ....common.shard_format import part_tokens
-from ...hidden_states.writer import Sample, ShardWriter
+from ...shards.writer import Sample, ShardWriter
 from ..dump import mask_from_spans, parts_file, write_parts
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ....common import engines
+from ... import engines
 from ...errors import StageError
-from ...hidden_states.writer import Sample
+from ...shards.writer import Sample
 from ..dump import collect, engine_run, loss_spans, stored_ids, validate_dump
 from ..server import EngineServer, free_port
 
