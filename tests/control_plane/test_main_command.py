@@ -109,8 +109,8 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
                          "host_preflight": "host",
                          **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression")}}
         runs = data["runsOrError"]["results"]
-        # check_host, prepare_data, 2 shards, train_drafter, benchmark_serving (vllm)
-        assert len(runs) == 6 and all(r["status"] == "SUCCESS" for r in runs)
+        # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, benchmark_serving (vllm)
+        assert len(runs) == 7 and all(r["status"] == "SUCCESS" for r in runs)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
