@@ -346,7 +346,7 @@ def shards_for(w: Path, split_name: str, aux_layers: list[int] | None, storage: 
     return f"{out}/shard-00000"
 
 
-def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
+def train(w: Path, name: str, hp: dict, inputs_only: bool = False, resume: bool = False) -> dict:
     info = json.loads((w / "prepared.json").read_text())
     vocab = "vocab/vocab_mapping.safetensors"
     if hp.get("draft_vocab_size", 8192) != 8192:
@@ -364,7 +364,7 @@ def train(w: Path, name: str, hp: dict, inputs_only: bool = False) -> dict:
     args = {k: v for k, v in hp.items() if k not in ("draft_vocab_size", "aux_layers", "train_prompts", "subset",
                                                      "storage", "data")}
     meta, res = stage(w, "train", {"target": info["target"], "shards": [train_shards], "eval_shards": [dev_shards],
-                                   "vocab": vocab, "out": f"drafters/{name}", "resume": False, **args})
+                                   "vocab": vocab, "out": f"drafters/{name}", "resume": resume, **args})
     row = {"step": "ablate", "recipe": name, "settings": hp,
            "dev_acceptance_length": meta["heldout_acceptance_length_k3"],
            "dev_per_position": [meta[f"heldout_accept_{i}"] for i in range(3)],
@@ -472,7 +472,8 @@ def table() -> str:
     return text
 
 
-def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = False) -> dict[str, dict]:
+def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = False,
+                 resume: bool = False) -> dict[str, dict]:
     """Train several recipes at once (a GPU host has room for many of these small runs). A recipe already
     measured with the same settings on this kind of device is not trained again unless `force`."""
     from concurrent.futures import ThreadPoolExecutor
@@ -487,7 +488,7 @@ def run_parallel(w: Path, named: dict[str, dict], parallel: int, force: bool = F
               file=sys.stderr)
     todo = sorted((n for n in named if n not in done), key=lambda n: -named[n].get("epochs", 0))  # longest first
     with ThreadPoolExecutor(max(1, parallel)) as pool:
-        done.update(zip(todo, pool.map(lambda n: train(w, n, dict(named[n])), todo)))
+        done.update(zip(todo, pool.map(lambda n: train(w, n, dict(named[n]), resume=resume), todo)))
     return done
 
 
@@ -556,6 +557,8 @@ def main() -> None:
     ap.add_argument("--out", help="pack: where the parts go; unpack: where they are")
     ap.add_argument("--force", action="store_true", help="ablate: train again recipes already measured on this "
                     "kind of device with the same settings (after a change to the training code, say)")
+    ap.add_argument("--resume", action="store_true", help="ablate: continue a run from its last epoch checkpoint "
+                    "(a device call cut at its time limit, say) instead of training it from the start")
     a = ap.parse_args()
     w = Path(a.workdir).resolve()
     w.mkdir(parents=True, exist_ok=True)
@@ -570,7 +573,7 @@ def main() -> None:
     elif a.command == "unpack":
         unpack(w, Path(a.out))
     elif a.command == "ablate":
-        run_parallel(w, {n: RECIPES[n] for n in a.names or list(RECIPES)}, a.parallel, a.force)
+        run_parallel(w, {n: RECIPES[n] for n in a.names or list(RECIPES)}, a.parallel, a.force, a.resume)
     elif a.command == "reeval":  # a recipe's dev figures again, from its saved weights
         for name in a.names:
             row = [json.loads(x) for x in LOG.read_text().splitlines() if json.loads(x).get("recipe") == name

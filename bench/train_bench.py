@@ -3,6 +3,7 @@ on disk in our format, a target directory, `run_stage("train", ...)` as the work
 validated, every default filled in).
 
     python bench/train_bench.py --shape llama-3.1-8b --configs 1x8192:3,1x8192:7        # on a GPU host
+    python bench/train_bench.py --storage fp8,native ...     # from fp8 shards (the default) and native ones
     python bench/train_bench.py --shape tiny --configs 1x256:2 --steps 3 --warmup 1     # CPU smoke test
 
 Each config is ROWSxROW_TOKENS:TTT_STEPS (rows_per_batch x row_tokens = tokens per optimizer step) and runs
@@ -67,12 +68,14 @@ def make_vocab(path: Path, vocab: int, draft: int) -> None:
     save_file({"d2t": used - torch.arange(draft), "t2d": t2d}, str(path))
 
 
-def make_shard(out: Path, s: dict, lengths: list[int], device: str, part_tokens: int = 1 << 16) -> None:
-    """One shard of random bf16 hidden states in the extract stage's format (its writer and publisher)."""
+def make_shard(out: Path, s: dict, lengths: list[int], device: str, storage: str = "fp8",
+               part_tokens: int = 1 << 16) -> None:
+    """One shard of random bf16 hidden states in the extract stage's format (its writer and publisher), stored
+    as `storage` says: fp8 (format v2, the extract stage's default) or native bf16 (v1)."""
     import torch
 
     from eagle3_assets.worker.hidden_states.extract import publish_shard
-    from eagle3_assets.worker.shards.parts import write_part
+    from eagle3_assets.worker.shards.parts import quantize_fp8, write_part
 
     H, tmp = s["hidden"], out.with_name(f".tmp-{out.name}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -97,15 +100,18 @@ def make_shard(out: Path, s: dict, lengths: list[int], device: str, part_tokens:
             index.append({"row": i, "id": f"s{i}", "part": name, "offset": off, "length": lengths[i],
                           "loss_tokens": lengths[i] - lengths[i] // 4})
             off += lengths[i]
-        tensors = {"input_ids": torch.randint(0, s["vocab"], (t,), generator=gen), "loss_mask": mask,
-                   "aux": torch.randn(t, 3 * H, generator=g, device=device).bfloat16().cpu(),
-                   "final": torch.randn(t, H, generator=g, device=device).bfloat16().cpu()}
+        tensors = {"input_ids": torch.randint(0, s["vocab"], (t,), generator=gen), "loss_mask": mask}
+        for key, layers in (("aux", 3), ("final", 1)):
+            x = torch.randn(t, layers * H, generator=g, device=device).bfloat16()
+            if storage == "fp8":
+                x, tensors[f"{key}_scale"] = (v.cpu() for v in quantize_fp8(x, layers))
+            tensors[key] = x.cpu()
         nbytes, digest = write_part(tmp / name, tensors)
         files.append({"name": name, "bytes": nbytes, "sha256": digest, "tokens": t})
     publish_shard(tmp, out, files, index, {"shard": 0, "target": "random", "hidden_size": H,
                                            "num_layers": s["layers"], "aux_layer_ids": [1, s["layers"] // 2 - 1,
                                                                                          s["layers"] - 4],
-                                           "backend": "synthetic", "storage": "native", "dtype": "bfloat16"})
+                                           "backend": "synthetic", "storage": storage, "dtype": "bfloat16"})
 
 
 def sample_lengths(configs, warmup: int, steps: int, lo: int, hi: int, window: int) -> list[int]:
@@ -290,6 +296,13 @@ def child(spec: dict) -> dict:
     meta = getattr(rep, "meta", {})  # the stage's own figures: every step, the first (compiling) one too
     res.update(stage_steps=meta.get("steps"), stage_tokens_per_s=meta.get("tokens_per_s"),
                stage_train_wall_s=meta.get("wall_s"), loss_0=meta.get("loss_0"), acc_0=meta.get("acc_0"))
+    # the loader (GPU): host time per batch, and the step loop's wait for batches over the whole run
+    res.update({k: meta[k] for k in ("loader_batch_ms", "loader_wait_s") if k in meta})
+    if meta.get("loader_wait_s") is not None and meta.get("steps"):
+        res["loader_wait_per_step_ms"] = round(1e3 * meta["loader_wait_s"] / meta["steps"], 1)
+    # before the first step: shard checks, target labels, model set-up (the stage's wall less its training's)
+    if meta.get("wall_s") is not None:
+        res["stage_setup_s"] = round(res["stage_wall_s"] - meta["wall_s"], 1)
     res["logs"] = st.get("logs", [])
     try:  # where the stage's compile time went (dynamo frames, graphs, seconds per compiled function)
         from torch._dynamo.utils import compile_times, counters
@@ -308,6 +321,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="1x8192:3,1x8192:7")
+    ap.add_argument("--storage", default="fp8", help="shard storage(s) to train from, comma-separated: fp8 (the "
+                    "extract stage's default) and/or native")
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per config")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-len", type=int, default=512)
@@ -342,7 +357,8 @@ def main():
     extra = PACK_WINDOW + 2 + a.profile
     lengths = sample_lengths(configs, a.warmup, a.steps + extra, a.min_len, a.max_len,
                              PACK_WINDOW if device == "cuda" else 1)
-    want = {"shape": s, "lengths": lengths}
+    storages = a.storage.split(",")
+    want = {"shape": s, "lengths": lengths, "storages": storages}
     meta = wd / "bench_meta.json"
     if not meta.exists() or json.loads(meta.read_text()) != want:
         import shutil
@@ -350,20 +366,23 @@ def main():
         shutil.rmtree(wd, ignore_errors=True)
         make_target(wd / "target", s, device)
         make_vocab(wd / "vocab" / "vocab_mapping.safetensors", s["vocab"], s["draft_vocab"])
-        make_shard(wd / "hidden_states" / "shard-00000", s, lengths, device)
+        for storage in storages:
+            make_shard(wd / "hidden_states" / storage / "shard-00000", s, lengths, device, storage)
         meta.write_text(json.dumps(want))
     setup_s = time.perf_counter() - t0
     report = {"bench": "train_stage", "shape": a.shape, "device": torch.cuda.get_device_name() if device == "cuda"
               else "cpu", "torch": torch.__version__, "samples": len(lengths), "tokens": sum(lengths),
               "sample_len": [a.min_len, a.max_len], "data_setup_s": round(setup_s, 1), "env": a.env, "runs": []}
     env = {**os.environ, "EAGLE3_NO_BAR": "1", **dict(kv.split("=", 1) for kv in a.env.split() if kv)}
-    for rows, T, ttt in configs:
-        run_args = {"target": "target", "shards": ["hidden_states/shard-00000"],
-                    "vocab": "vocab/vocab_mapping.safetensors", "out": f"drafter/r{rows}x{T}_t{ttt}", "epochs": 1,
+    for storage, (rows, T, ttt) in ((st, c) for st in storages for c in configs):
+        run_args = {"target": "target", "shards": [f"hidden_states/{storage}/shard-00000"],
+                    "vocab": "vocab/vocab_mapping.safetensors", "out": f"drafter/{storage}_r{rows}x{T}_t{ttt}",
+                    "epochs": 1,
                     "ttt_steps": ttt, "row_tokens": T, "rows_per_batch": rows, "probe_batches": 1, "resume": False}
         spec = {"workdir": str(wd), "args": run_args, "warmup": a.warmup, "steps": a.steps, "profile": a.profile,
                 "profile_out": str(Path(a.out or wd / "x").parent / f"profile_r{rows}x{T}_t{ttt}.txt")}
-        line = {"tokens_per_step": rows * T, "rows_per_batch": rows, "row_tokens": T, "ttt_steps": ttt}
+        line = {"storage": storage, "tokens_per_step": rows * T, "rows_per_batch": rows, "row_tokens": T,
+                "ttt_steps": ttt}
         tc = time.perf_counter()
         try:
             p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, text=True,

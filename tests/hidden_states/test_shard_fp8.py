@@ -13,7 +13,7 @@ from safetensors import safe_open
 from conftest import run_stage, train_args
 from eagle3_assets.common.shard_format import FORMAT, FORMAT_V2, bytes_per_token
 from eagle3_assets.worker.shards.parts import dequantize_fp8, quantize_fp8
-from eagle3_assets.worker.training.data import ShardSet
+from eagle3_assets.worker.training.data import ShardSet, collate, on_device, plan_batches
 
 
 def test_fp8_keeps_each_layer_to_its_own_scale():
@@ -62,6 +62,26 @@ def test_an_fp8_shard_is_written_checked_and_trained_on(built, work):
     with safe_open(str(sorted(fp8.glob("part-*.safetensors"))[0]), "pt") as st:
         assert st.get_slice("aux").get_dtype() == "F8_E4M3"
 
+    # a GPU batch travels as stored (fp8 bytes + scales, padding included) and, dequantized where it lands,
+    # is the batch the host would have made in float32
+    labels = [torch.arange(r.length) for r in b.refs]
+    for rows in plan_batches([r.length for r in b.refs], 0, 0, 64, 2):
+        host = collate(b, rows, 64, labels, 2, pad=True)
+        sent = collate(b, rows, 64, labels, 2, pad=True, stored=True)
+        assert sent["aux"].dtype == torch.float8_e4m3fn and sent["aux_scale"].shape == (*sent["aux"].shape[:2], 3)
+        assert sent["aux"].nbytes + sent["aux_scale"].nbytes < 0.3 * host["aux"].nbytes
+        got = on_device(dict(sent))
+        assert set(got) == set(host) and all(torch.equal(got[k], host[k]) for k in host), rows
+    # ... and so are the target's labels, computed from the states as stored
+    from eagle3_assets.worker.target.head import load_target_head
+    from eagle3_assets.worker.training.evaluate import target_labels
+
+    head = load_target_head(Path(built.latest("target_model")["path"]), 1e-5)
+    to_draft = torch.arange(head.lm_head.shape[0])
+    on_host = target_labels(b, head, to_draft, "cpu", torch.float32, chunk_tokens=32, stored=False)
+    as_stored = target_labels(b, head, to_draft, "cpu", torch.float32, chunk_tokens=32, stored=True)
+    assert all(torch.equal(x, y) for x, y in zip(on_host, as_stored)) and len(on_host) == len(b.refs)
+
     trained = run_stage(work, "train", {**train_args(built, "drafter/fp8"), "shards": ["hs_fp8/shard-00000"]})
     assert trained.returncode == 0, trained.stderr[-3000:]
     mixed = run_stage(work, "train", {**train_args(built, "drafter/mixed"),
@@ -69,7 +89,9 @@ def test_an_fp8_shard_is_written_checked_and_trained_on(built, work):
     assert mixed.returncode == 0, mixed.stderr[-3000:]
 
 
-def test_a_non_finite_scale_in_an_fp8_shard_is_refused_naming_the_file(built, work):
+@pytest.mark.parametrize("planted", ["scale", "value"])
+def test_a_non_finite_fp8_shard_is_refused_naming_the_file(built, work, planted):
+    """The check reads fp8 as stored: an inf scale, or a NaN byte (e4m3's only non-finite value)."""
     from safetensors.torch import load_file, save_file
 
     from eagle3_assets.worker.files import sha256_file
@@ -77,7 +99,10 @@ def test_a_non_finite_scale_in_an_fp8_shard_is_refused_naming_the_file(built, wo
     fp8 = _extract(built, work, "hs_bad", "fp8")
     part = sorted(fp8.glob("part-*.safetensors"))[0]
     tensors = load_file(str(part))
-    tensors["aux_scale"][1, 2] = float("inf")
+    if planted == "scale":
+        tensors["aux_scale"][1, 2] = float("inf")
+    else:
+        tensors["final"].view(torch.uint8)[2, 5] = 0xFF  # -NaN in e4m3fn
     save_file(tensors, str(part))
     manifest = json.loads((fp8 / "manifest.json").read_text())  # re-signed: only the content is wrong
     for f in manifest["files"]:
@@ -121,3 +146,18 @@ def test_the_last_part_is_split_among_the_writers_and_every_row_reads_back(tmp_p
             assert (got_aux - aux).norm() / aux.norm() < 0.05 and (got_final - final).norm() / final.norm() < 0.05
         else:
             assert torch.equal(t["aux"][sl], aux) and torch.equal(t["final"][sl], final)
+
+
+def test_a_shard_of_a_format_version_it_does_not_know_is_refused(built, work):
+    """A manifest saying v3 (a newer writer, another tool) is never read as if it were ours."""
+    shard = _extract(built, work, "hs_v3", "native")
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["format"] = "eagle3-hidden-states/v3"
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    hidden = built.latest("target_model")["hidden_size"]
+    with pytest.raises(Exception, match="format 'eagle3-hidden-states/v3'") as e:
+        ShardSet([shard], hidden)
+    assert FORMAT in str(e.value) and FORMAT_V2 in str(e.value)
+    done = run_stage(work, "train", {**train_args(built, "drafter/v3"), "shards": ["hs_v3/shard-00000"]})
+    assert done.returncode != 0 and "eagle3-hidden-states/v3" in done.stderr, done.stderr[-2000:]
+    assert not (work / "drafter/v3/model").exists()

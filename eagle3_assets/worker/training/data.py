@@ -5,7 +5,11 @@ exactly the batches an uninterrupted one would.
 Before a single sample is used, every part and index file is checked against the sha256 its manifest
 records, and the hidden states for NaN/inf: once per run, up front. Training reads every token every epoch
 anyway, so one more pass costs at most 1/epochs of its I/O, and a damaged shard then fails in seconds,
-naming the file, instead of hours into a run (or never, as an all-NaN drafter)."""
+naming the file, instead of hours into a run (or never, as an all-NaN drafter).
+
+fp8 shards (format v2) travel as they are stored: a GPU batch holds the fp8 bytes and their per-token scales
+and is dequantized on the device (`on_device`), a quarter of the host work and of the copy that float32 would
+be; the checks read the bytes too (an e4m3 value is NaN or it is finite)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from ...common.shard_format import INDEX, read_manifest
+from ...common.shard_format import FORMAT, FORMAT_V2, INDEX, read_manifest
 from ..errors import StageError
 from ..files import sha256_file
 from ..shards.parts import dequantize_fp8
@@ -44,6 +48,7 @@ class ShardSet:
         self.aux_layer_ids = None
         self.identity: list[dict] = []
         self.verified_bytes = 0
+        self.all_fp8 = True  # every part in format v2 (a batch can then travel as stored: collate)
         self._handles: dict[Path, object] = {}
         parts: list[tuple[Path, dict, Path]] = []
         for d in shard_dirs:
@@ -51,6 +56,10 @@ class ShardSet:
             if m is None:
                 raise StageError(f"hidden-state shard {d} is missing or incomplete (no manifest): rerun that "
                                  "hidden_state_shards partition")
+            if m.get("format") not in (FORMAT, FORMAT_V2):
+                raise StageError(f"{d / 'manifest.json'} says format {m.get('format')!r}; this version reads "
+                                 f"{FORMAT!r} and {FORMAT_V2!r}: the shard was written by another version of "
+                                 f"eagle3-assets (update it here too) or by another tool; {_rerun(d)}")
             if m["hidden_size"] != hidden_size:
                 raise StageError(f"hidden states in {d} are {m['hidden_size']}-wide (field hidden_size of its "
                                  f"manifest) but the target's hidden size is {hidden_size}: they were extracted from "
@@ -105,10 +114,13 @@ class ShardSet:
             step = max(1, chunk_elems // max(cols, 1))
             for a in range(0, rows, step):
                 x = st.get_slice(name)[a: a + step]
-                if fp8:
-                    x = dequantize_fp8(x, st.get_slice(f"{name}_scale")[a: a + step])
-                if not bool(torch.isfinite(x).all()):
-                    row = a + int((~torch.isfinite(x)).any(-1).nonzero()[0, 0])
+                if fp8:  # q * scale is finite iff q is not NaN (e4m3 has no inf) and the scale is finite
+                    bad = ((x.view(torch.uint8) & 0x7F) == 0x7F).any(-1)
+                    bad |= ~torch.isfinite(st.get_slice(f"{name}_scale")[a: a + step]).all(-1)
+                else:
+                    bad = ~torch.isfinite(x).all(-1)
+                if bool(bad.any()):
+                    row = a + int(bad.nonzero()[0, 0])
                     raise StageError(f"{part}: tensor {name!r} holds NaN or inf (first at token row {row}): training on "
                                      f"it would make the drafter NaN. The target overflowed while extracting (try dtype "
                                      f"bfloat16 or float32 instead of float16) or the shard is damaged; {_rerun(d)}")
@@ -126,6 +138,8 @@ class ShardSet:
         want = {"input_ids": [tokens], "loss_mask": [tokens], "aux": [tokens, 3 * hidden], "final": [tokens, hidden]}
         if "aux_scale" in st.keys() or "final_scale" in st.keys():  # format v2: fp8 states and their scales
             want.update(aux_scale=[tokens, 3], final_scale=[tokens, 1])
+        else:
+            self.all_fp8 = False
         for name, shape in want.items():
             if name not in st.keys():
                 raise StageError(f"{part}: tensor {name!r} is missing")
@@ -134,13 +148,18 @@ class ShardSet:
                 raise StageError(f"{part}: tensor {name!r} has shape {got}, expected {shape} for a target with "
                                  f"hidden size {hidden}: the hidden states do not match the target")
 
-    def read(self, ref: Ref) -> dict[str, torch.Tensor]:
+    def read(self, ref: Ref, stored: bool = False) -> dict[str, torch.Tensor]:
+        """A sample's tensors; hidden states in float32 (fp8 dequantized), or with `stored` as stored: fp8
+        with their `aux_scale` and `final_scale` (see `on_device`)."""
         st = self._handle(ref.part)
         sl = slice(ref.offset, ref.offset + ref.length)
         out = {k: st.get_slice(k)[sl] for k in ("input_ids", "loss_mask", "aux", "final")}
         if out["aux"].dtype == torch.float8_e4m3fn:  # format v2
             for k in ("aux", "final"):
-                out[k] = dequantize_fp8(out[k], st.get_slice(f"{k}_scale")[sl])
+                if stored:
+                    out[f"{k}_scale"] = st.get_slice(f"{k}_scale")[sl]
+                else:
+                    out[k] = dequantize_fp8(out[k], st.get_slice(f"{k}_scale")[sl])
         return out
 
     @property
@@ -225,14 +244,16 @@ def batch_tokens(lengths: list[int], rows: list[list[int]], row_tokens: int, row
 
 
 def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list | None = None,
-            rows_per_batch: int = 1, pad: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
+            rows_per_batch: int = 1, pad: bool = False, pin: bool = False,
+            stored: bool = False) -> dict[str, torch.Tensor]:
     """Pack rows into [B, T] tensors; `doc` numbers the samples in a row (-1 = padding), `pos` restarts at 0
     for each sample, as the engines' positions do. `labels` (per sample) add `t_draft`. `pad`: the batch's
     fixed shape (`batch_shape`, rows rounded up to a multiple of 128: the attention's tile), so that compiled
     GPU code sees few shapes; else as short as its longest row. `pin`: page-locked, for an asynchronous copy
-    to the GPU."""
+    to the GPU. `stored`: fp8 hidden states stay fp8 beside their scales (`on_device` dequantizes them)."""
     n_rows, cap = batch_shape([[data.refs[i].length for i in row] for row in rows], row_tokens, rows_per_batch)
-    samples = [[data.read(data.refs[i]) for i in row] for row in rows]
+    stored = stored and data.all_fp8  # a batch of mixed formats is dequantized on the host
+    samples = [[data.read(data.refs[i], stored) for i in row] for row in rows]
     T = -(-cap // 128) * 128 if pad else min(cap, max(sum(min(s["input_ids"].shape[0], cap) for s in row)
                                                        for row in samples))
     B = n_rows if pad else len(rows)
@@ -248,6 +269,11 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
            "doc": new((B, T), torch.long, -1), "pos": new((B, T), torch.long, 0)}
     if labels is not None:
         out["t_draft"] = new((B, T), torch.long, -1)
+    scaled = [k for k in ("aux_scale", "final_scale") if k in first]
+    for k in scaled:
+        out[k] = new((B, T, first[k].shape[1]), first[k].dtype, 0)
+    # packed as bytes: the float8 dtypes lack CPU fills; a zero byte is 0.0 in e4m3 (and its padding scale is 0)
+    raw = {k: out[k].view(torch.uint8) if out[k].dtype == torch.float8_e4m3fn else out[k] for k in ("aux", "final")}
     for b in range(B):
         o = 0
         for d, s in enumerate(samples[b] if b < len(samples) else []):
@@ -256,13 +282,24 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
                 break
             out["input_ids"][b, o:o + ln] = s["input_ids"][:ln]
             out["loss_mask"][b, o:o + ln] = s["loss_mask"][:ln].bool()
-            out["aux"][b, o:o + ln] = s["aux"][:ln]
-            out["final"][b, o:o + ln] = s["final"][:ln]
+            for k in ("aux", "final"):
+                raw[k][b, o:o + ln] = s[k][:ln].view(raw[k].dtype)
+            for k in scaled:
+                out[k][b, o:o + ln] = s[k][:ln]
             out["doc"][b, o:o + ln] = d
             out["pos"][b, o:o + ln] = torch.arange(ln)
             if labels is not None:
                 out["t_draft"][b, o:o + ln] = labels[rows[b][d]][:ln]
             o += ln
-        out["aux"][b, o:] = 0  # padding: finite (a NaN there would reach the weight gradients as 0 * NaN)
-        out["final"][b, o:] = 0
+        raw["aux"][b, o:] = 0  # padding: finite (a NaN there would reach the weight gradients as 0 * NaN)
+        raw["final"][b, o:] = 0
     return out
+
+
+def on_device(batch: dict) -> dict:
+    """A batch made with `stored` (fp8 states and their scales), once on its device: the states dequantized
+    there, in float32 as `ShardSet.read` gives them; any other batch as it is."""
+    for k in ("aux", "final"):
+        if f"{k}_scale" in batch:
+            batch[k] = dequantize_fp8(batch[k], batch.pop(f"{k}_scale"))
+    return batch

@@ -8,32 +8,36 @@ from pathlib import Path
 
 import torch
 
-from .data import ShardSet, collate, plan_batches
+from .data import ShardSet, collate, on_device, plan_batches
 from .ttt_loss import draft_index, gpu_path, ttt_loss
 
 
 def target_labels(data: ShardSet, head, to_draft: torch.Tensor, device: str, dtype, chunk_tokens: int = 16384,
-                  progress=None) -> list[torch.Tensor]:
+                  progress=None, stored: bool | None = None) -> list[torch.Tensor]:
     """Per sample, the target's greedy next token as a draft id (-1: not in the draft vocab). Computed once
-    through the full lm_head, so that every training step needs only the draft vocab's rows."""
+    through the full lm_head, so that every training step needs only the draft vocab's rows. fp8 states go to
+    the device as stored and are dequantized there (`stored`; None: on a GPU)."""
     out: list[torch.Tensor] = [None] * len(data.refs)  # type: ignore[list-item]
-    pending: list[tuple[int, torch.Tensor]] = []
+    pending: list[tuple[int, dict]] = []
+    stored = data.all_fp8 and (not str(device).startswith("cpu") if stored is None else stored)
 
     def flush():
-        finals = torch.cat([f for _, f in pending]).to(device, dtype)
+        parts = {k: torch.cat([s[k] for _, s in pending]).to(device) for k in pending[0][1]}
+        finals = on_device(parts)["final"].to(dtype)
         with torch.no_grad():
             labels = to_draft[head(finals).argmax(-1)].to("cpu", torch.int32)
         o = 0
         for i, f in pending:
-            out[i] = labels[o: o + f.shape[0]]
-            o += f.shape[0]
+            out[i] = labels[o: o + f["final"].shape[0]]
+            o += f["final"].shape[0]
         if progress is not None:
             progress.update(len(pending))
         pending.clear()
 
     size = 0
     for i, ref in enumerate(data.refs):
-        pending.append((i, data.read(ref)["final"]))
+        sample = data.read(ref, stored)
+        pending.append((i, {k: v for k, v in sample.items() if k.startswith("final")}))
         size += ref.length
         if size >= chunk_tokens:
             flush()
@@ -83,8 +87,9 @@ def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float,
 
 
 def host_batch(data, rows, row_tokens: int, labels=None, loss_on: str = "responses", rows_per_batch: int = 1,
-               pad: bool = False, pin: bool = False) -> dict:
-    batch = collate(data, rows, row_tokens, labels, rows_per_batch, pad=pad, pin=pin)
+               pad: bool = False, pin: bool = False, stored: bool = False) -> dict:
+    """`stored`: fp8 states stay as stored (`on_device` dequantizes them where the batch goes)."""
+    batch = collate(data, rows, row_tokens, labels, rows_per_batch, pad=pad, pin=pin, stored=stored)
     if loss_on == "all":  # the target's predictions on prompt tokens are training signal too
         batch["loss_mask"].copy_(batch["doc"] >= 0)
     return batch
@@ -94,8 +99,8 @@ def batch_on(data, rows, row_tokens: int, device: str, labels=None, loss_on: str
              rows_per_batch: int = 1) -> dict:
     """A batch on `device`; on the GPU path padded to its fixed shape (data.py: `batch_shape`)."""
     fast = gpu_path(device)
-    batch = host_batch(data, rows, row_tokens, labels, loss_on, rows_per_batch, pad=fast, pin=fast)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch = host_batch(data, rows, row_tokens, labels, loss_on, rows_per_batch, pad=fast, pin=fast, stored=fast)
+    return on_device({k: v.to(device, non_blocking=True) for k, v in batch.items()})
 
 
 def heldout_acceptance(target: Path, drafter_dir: Path, shard_dirs: list[Path], ttt_steps: int = 3,

@@ -41,7 +41,7 @@ from ..files import resolve
 from ..target.head import load_target_head
 from ..target.model import load_config, text_config
 from .checkpoint_writer import CheckpointWriter
-from .data import ShardSet, batch_tokens, plan_batches
+from .data import ShardSet, batch_tokens, on_device, plan_batches
 from .drafter import DraftConfig, Eagle3Drafter, init_weights
 from .evaluate import autocast, bf16_compute, evaluate, host_batch, simulated_acceptance_length, target_labels
 from .prefetch import Prefetcher
@@ -81,6 +81,7 @@ class Trainer:
 
         self.workdir, self.args, self.reporter = workdir, args, reporter
         self.hp = args  # num_layers may be replaced by a finetune's own (a copy, below)
+        self.loader: dict = {}  # the GPU loader's figures, set by fit
         self.out = resolve(workdir, args.out)
         self.target = resolve(workdir, args.target)
         self.tc = text_config(load_config(self.target))
@@ -404,7 +405,8 @@ class Trainer:
                 k += 1
         return Prefetcher(items, lambda rows: host_batch(self.data, rows, self.row_tokens, self.labels,
                                                          str(self.hp.loss_on), self.rows_per, pad=self.fast,
-                                                         pin=self.fast), self.device)
+                                                         pin=self.fast, stored=self.fast), self.device,
+                          finish=on_device)
 
     def fit(self) -> None:
         """Every epoch's steps from the resume point on; held-out evaluation and a checkpoint at each epoch's
@@ -472,6 +474,9 @@ class Trainer:
             batches.close()
             if batches.summary() and group.is_main:
                 self.reporter.log(batches.summary())
+            # the loader's figures (GPU path): a wait near 0 means the step never starved for data
+            self.loader = {"loader_batch_ms": round(1e3 * batches.make_s / batches.made, 1),
+                           "loader_wait_s": round(batches.wait_s, 2)} if batches.made else {}
             self.writer.wait()  # the last checkpoint is complete before anything is published (or the error raised)
         self.curve = curve
         for loss_0, acc_0 in torch.stack(curve_at).tolist() if curve_at else []:
@@ -520,6 +525,7 @@ class Trainer:
             "train_tokens_per_epoch": self.data.tokens,
             "tokens_per_s": round(self.tokens_per_s, 1),
             "wall_s": round(self.wall, 1),
+            **self.loader,
             "device": self.device,
             "compute": "bf16 autocast, fp32 master weights" if self.bf16 else "float32",
             **({} if self.device.startswith("cuda") else cpu_info()),
