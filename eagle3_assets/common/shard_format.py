@@ -49,10 +49,23 @@ def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}"
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """SpecForge's defaults in output-of-layer terms; equal to vLLM's and SGLang's capture-before defaults
-    (2, N//2, N-3), so a drafter trained on them needs no layer ids in its exported config."""
+MIN_TARGET_LAYERS = 3  # an EAGLE-3 drafter reads three distinct layers of its target
+
+
+def engine_default_aux_layers(num_layers: int) -> list[int]:
+    """The layers vLLM and SGLang capture when a drafter's config names none: their capture-before defaults
+    (2, N//2, N-3) in output-of-layer terms, SpecForge's too. Not three distinct layers below 7 layers."""
     return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Our default: the engines' own (a drafter trained on them needs no layer ids in its exported config),
+    or, for a target of 3-6 layers where those are not distinct, its first, middle and last layers (then
+    written into the export)."""
+    ids = engine_default_aux_layers(num_layers)
+    if num_layers >= 7:
+        return ids
+    return [0, num_layers // 2, num_layers - 1]
 
 
 def read_manifest(shard_dir: Path) -> dict | None:

@@ -306,7 +306,8 @@ def test_a_drafter_whose_ids_match_the_shards_is_accepted_in_any_convention(pipe
     original = load_file(str(src / "model.safetensors"))
     assert w.keys() == original.keys() and all(torch.equal(w[k], original[k]) for k in w)
     written = json.loads((d / "config.json").read_text())
-    check_finetune_layers(d, read_aux_ids(written, kimi.text_config.num_hidden_layers, "kimi_k2"), shard_ids)
+    check_finetune_layers(d, read_aux_ids(written, kimi.text_config.num_hidden_layers, "kimi_k2"), shard_ids,
+                          kimi.text_config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("convention,off,written,spelled", [
@@ -362,14 +363,14 @@ def test_specforges_kimi_k25_draft_ids_against_default_shards():
     spec = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
     ids = read_aux_ids(spec, 61, "kimi_k2")
     assert ids.ours == [1, 29, 57] and "capture-before" in ids.convention
-    check_finetune_layers(Path("kimi-k25-eagle3"), ids, default_aux_layers(61))
+    check_finetune_layers(Path("kimi-k25-eagle3"), ids, default_aux_layers(61), 61)
     llama = read_aux_ids(spec, 61, "llama")  # SGLang's Llama adds 1 to every id: output of layer i
     assert llama.ours == [2, 30, 58]
     with pytest.raises(StageError, match=r"aux_layers \[2, 30, 58\]"):
-        check_finetune_layers(Path("llama-eagle3"), llama, default_aux_layers(61))
+        check_finetune_layers(Path("llama-eagle3"), llama, default_aux_layers(61), 61)
     # the same tensors in vLLM's numbering, and no ids at all (the engines' defaults), both match
-    check_finetune_layers(Path("d"), read_aux_ids({"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}, 61), [1, 29, 57])
-    check_finetune_layers(Path("d"), read_aux_ids({}, 61), [1, 29, 57])
+    check_finetune_layers(Path("d"), read_aux_ids({"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}, 61), [1, 29, 57], 61)
+    check_finetune_layers(Path("d"), read_aux_ids({}, 61), [1, 29, 57], 61)
     with pytest.raises(StageError, match="two different aux layer sets"):
         read_aux_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
                       "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}, 61)

@@ -52,7 +52,7 @@ class Engine(Protocol):
 
     def exported_layers(self, cfg: dict, model_type: str) -> list[int] | None:
         """The layers (ours) the engine captures for this drafter config; None when it names none (the
-        engine's defaults, which equal ours: shard_format.default_aux_layers)."""
+        engine's defaults: shard_format.engine_default_aux_layers)."""
 
     def id_rule(self, ids: list[int], model_type: str) -> tuple[int, str] | None:
         """(offset to ours, description) when the engine reads the ids in LAYER_IDS_FIELD other than as its

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...common.shard_format import default_aux_layers
+from ...common.shard_format import engine_default_aux_layers
 from .. import engines
 from ..errors import StageError
 from ..files import replace_dir, require_file, resolve
@@ -30,7 +30,7 @@ _FOREIGN_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_out
 
 def layer_fields(dialect: str, aux: list[int], num_layers: int, model_type: str = "") -> dict:
     """The config fields that make the engine capture `aux` (ours); none for the default layers."""
-    if aux == default_aux_layers(num_layers):
+    if aux == engine_default_aux_layers(num_layers):
         return {}
     return engines.get(dialect).export_fields(aux, model_type)
 
@@ -39,7 +39,7 @@ def engine_capture_layers(dialect: str, cfg: dict, num_layers: int, model_type: 
     """Which target layers (our convention) the engine will capture for this config: what it reads, as it
     reads it (the engine's `exported_layers`; none named: the default)."""
     ours = engines.get(dialect).exported_layers(cfg, model_type)
-    return ours if ours is not None else default_aux_layers(num_layers)
+    return ours if ours is not None else engine_default_aux_layers(num_layers)
 
 
 def validate_export(d: Path, dialect: str, tc, aux: list[int]) -> dict:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...common.shard_format import MIN_TARGET_LAYERS
 from ..errors import StageError
 from ..files import hash_files, resolve
 from .model import load_config, text_config, weight_files
@@ -138,6 +139,10 @@ def run(workdir: str, args: PrepareTargetArgs, reporter) -> None:
         path = convert_embedded(resolve(workdir, args.embedded_dir or EMBEDDED_DIR), reporter)
     cfg = load_config(path)
     info = describe(path, cfg)
+    if info["num_layers"] < MIN_TARGET_LAYERS:
+        raise StageError(f"target {path} has {info['num_layers']} decoder layer(s): an EAGLE-3 drafter reads "
+                         f"{MIN_TARGET_LAYERS} distinct layers of its target (low, middle, high), so no choice of "
+                         "aux layers exists for it; use a target of at least 3 layers")
     reporter.log(f"hashing the weights of {path}")
     version = hash_files(weight_files(path))[:32]
     info["weights_sha256"] = version

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...common.shard_format import LAYER_CONVENTION, default_aux_layers
+from ...common.shard_format import LAYER_CONVENTION, engine_default_aux_layers
 from ..errors import StageError
 from ..files import hash_files, replace_dir
 from ..target.model import text_config
@@ -193,8 +193,8 @@ def read_aux_ids(cfg: dict, target_layers: int, model_type: str = "") -> AuxIds:
                 if (rule := engine.id_rule([int(i) for i in v], model_type)) is not None:
                     offset, convention = rule
             found.append(AuxIds([int(i) + offset for i in v], field, [int(i) for i in v], convention, offset))
-    if not found:
-        return AuxIds(default_aux_layers(target_layers))
+    if not found:  # no ids written: the engines read it as their defaults
+        return AuxIds(engine_default_aux_layers(target_layers))
     if found[0].field.startswith("eagle_config") and len(found) > 1 and found[1].ours != found[0].ours:
         raise StageError(f"the drafter config names two different aux layer sets: {found[0].field} {found[0].written} "
                          f"({found[0].convention}) and {found[1].field} {found[1].written} ({found[1].convention}); "
@@ -214,15 +214,23 @@ def aux_ids_from_config(cfg: dict, target_layers: int, model_type: str = "") -> 
     return read_aux_ids(cfg, target_layers, model_type).ours
 
 
-def check_finetune_layers(d: Path, ids: AuxIds, shard_ids: list[int]) -> None:
-    """A drafter finetuned on other layers than it was trained on learns against its own fc: refuse it."""
+def check_finetune_layers(d: Path, ids: AuxIds, shard_ids: list[int], target_layers: int) -> None:
+    """A drafter finetuned on other layers than it was trained on learns against its own fc: refuse it,
+    advising only what can run on this target."""
     if list(ids.ours) == list(shard_ids):
         return
+    outside = [i for i in ids.ours if not 0 <= i < target_layers]
+    if outside or len(set(ids.ours)) != len(ids.ours):
+        fix = (f"its layers {list(ids.ours)} (output of layer i) are not {len(ids.ours)} distinct layers of this "
+               f"{target_layers}-layer target (ids 0..{target_layers - 1}"
+               + (f"; {outside} outside it" if outside else "") + "), so it does not fit this target: train a new "
+               "drafter (no init_from)")
+    else:
+        fix = f"Rematerialize hidden_state_shards with aux_layers {list(ids.ours)} (output of layer i)"
     raise StageError(f"drafter checkpoint {d} was trained on target layers {ids.describe()}, but the hidden-state "
                      f"shards hold layers {list(shard_ids)} (output of layer i): finetuning would feed it other layers "
-                     f"than the ones its fc was trained on. Rematerialize hidden_state_shards with aux_layers "
-                     f"{list(ids.ours)} (output of layer i), or pick a drafter trained on layers {list(shard_ids)} "
-                     f"(in this config's convention: {ids.spelled(list(shard_ids))})")
+                     f"than the ones its fc was trained on. {fix}, or pick a drafter trained on layers "
+                     f"{list(shard_ids)} (in this config's convention: {ids.spelled(list(shard_ids))})")
 
 
 _SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")

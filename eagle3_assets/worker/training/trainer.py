@@ -127,7 +127,8 @@ class Trainer:
             ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
                                tc.model_type)
             self.data = ShardSet(shard_dirs, tc.hidden_size)
-            check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids)  # before a single step
+            check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids,  # before a single step
+                                  tc.num_hidden_layers)
             self.reporter.log(f"finetuning {self.init_dir}: its draft vocab ({self.cfg.draft_vocab_size}), aux layers "
                               f"{ids.describe()} and {self.cfg.num_hidden_layers} draft layer(s) are reused")
             # what is trained, in the metadata and fingerprint
