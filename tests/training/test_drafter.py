@@ -254,6 +254,26 @@ def test_offline_acceptance_reports_engine_comparable_figures(trained):
     assert meta["prompts"] == 3 and meta["verify_steps"] > 0
 
 
+def test_replay_gives_the_decode_loops_figures(trained):
+    """Offline acceptance by replay (the target's greedy outputs generated in batches, each verify step replayed
+    on its hidden states) counts exactly what the draft-verify loop counts, step by step, on the training
+    prompts."""
+    common = {"target": trained.latest("target_model")["path"], "drafter": trained.latest("eagle3_drafter")["path"],
+              "prompts": "prompts/train.parquet", "limit": 5, "max_new_tokens": 40, "dtype": "float32"}
+    figures = {}
+    for name, extra in {"decode": {"method": "decode"}, "replay": {"method": "replay", "batch_size": 1},
+                        "replay-batched": {"method": "replay", "batch_size": 5}}.items():
+        done = run_stage(trained.workdir, "speculate", {**common, **extra})
+        assert done.returncode == 0, done.stderr[-3000:]
+        meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+        assert meta["output_matches_target_greedy"] is True and meta["method"] == extra["method"], meta
+        figures[name] = {k: v for k, v in meta.items() if k.startswith("accept") or k in ("verify_steps",
+                                                                                        "generated_tokens")}
+    assert figures["decode"]["acceptance_at_pos_1"] > 0, figures  # steps of several drafts: the case worth checking
+    assert figures["replay"] == figures["decode"], figures
+    assert figures["replay-batched"] == figures["decode"], figures
+
+
 def test_finetune_from_a_saved_export_continues_from_its_weights(trained, tmp_path):
     base = trained.latest("eagle3_drafter")
     export = trained.latest("drafter_export")["vllm_path"]
