@@ -24,6 +24,9 @@ def _keygen(path: Path, passphrase: str = "") -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", str(path)], check=True)
 
 
+CPU_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "EAGLE3_CPU_BF16")
+
+
 class SshServer:
     def __init__(self, root: Path):
         self.root = root
@@ -48,7 +51,11 @@ class SshServer:
             f"PidFile {root / 'sshd.pid'}", f"AuthorizedKeysFile {root / 'authorized_keys'}",
             "PubkeyAuthentication yes", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
             "PermitRootLogin prohibit-password", "StrictModes no", "UsePAM no", "MaxStartups 100",
-            "MaxSessions 100", "Subsystem sftp internal-sftp", "LogLevel INFO", ""]))
+            "MaxSessions 100", "Subsystem sftp internal-sftp", "LogLevel INFO",
+            # the "remote" host is this machine: a CPU emulated for the tests (AVX2 only, no bf16) is emulated
+            # for its sessions too, or a stage run over SSH computes with other kernels than the same stage here
+            *([f"SetEnv {' '.join(f'{k}={os.environ[k]}' for k in CPU_ENV if k in os.environ)}"]
+              if any(k in os.environ for k in CPU_ENV) else []), ""]))
         self.log = root / "sshd.log"
         self.proc: subprocess.Popen | None = None
         self.user = os.environ.get("USER") or subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
