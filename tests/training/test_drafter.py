@@ -259,10 +259,10 @@ def test_replay_gives_the_decode_loops_figures(trained):
     on its hidden states) counts exactly what the draft-verify loop counts, step by step, on the training
     prompts."""
     common = {"target": trained.latest("target_model")["path"], "drafter": trained.latest("eagle3_drafter")["path"],
-              "prompts": "prompts/train.parquet", "limit": 5, "max_new_tokens": 40, "dtype": "float32"}
+              "prompts": "prompts/train.parquet", "limit": 4, "max_new_tokens": 24, "dtype": "float32"}
     figures = {}
     for name, extra in {"decode": {"method": "decode"}, "replay": {"method": "replay", "batch_size": 1},
-                        "replay-batched": {"method": "replay", "batch_size": 5}}.items():
+                        "replay-batched": {"method": "replay", "batch_size": 4}}.items():
         done = run_stage(trained.workdir, "speculate", {**common, **extra})
         assert done.returncode == 0, done.stderr[-3000:]
         meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
