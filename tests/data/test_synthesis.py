@@ -71,6 +71,7 @@ def test_a_held_out_prompt_planted_among_the_candidates_is_dropped(built, tmp_pa
     assert meta["chunks_reused"] == 1 and meta["candidates"] == 6  # it stops once it has its two
 
 
+@pytest.mark.slow  # three worker processes, one killed mid-run: 42 s on 2 cores
 def test_a_resumed_synthesis_writes_the_same_set(built, tmp_path):
     """A worker killed after its first chunk, then run again: the chunks on disk are reused and the set is the
     one an uninterrupted run writes. (Every run a worker process: the same threads, the same sampled tokens.)"""

@@ -254,6 +254,7 @@ def test_offline_acceptance_reports_engine_comparable_figures(trained):
     assert meta["prompts"] == 3 and meta["verify_steps"] > 0
 
 
+@pytest.mark.slow  # the draft-verify loop, prompt by prompt: 26 s
 def test_replay_gives_the_decode_loops_figures(trained):
     """Offline acceptance by replay (the target's greedy outputs generated in batches, each verify step replayed
     on its hidden states) counts exactly what the draft-verify loop counts, step by step, on the training
