@@ -456,9 +456,23 @@ def table() -> str:
                 "0.95); s<k>: the 400 human prompts and (k-1) x 400 prompts the target wrote (synthetic_prompts, mixed "
                 "Magpie), each with its greedy reply. Dev: teacher-forced on the 74 dev prompts' replies; test: the 54 "
                 "test prompts in vLLM (k=3, greedy, 128 new tokens), offline and teacher-forced; train s on one H200, "
-                "five runs at once.", "",
+                "five runs at once; generation s: the extra data's, on the H200 (synthetic: prompts and their replies, "
+                "pro-rated from the 1,200 made; replies: pro-rated from the ~2 minutes that 3 sampled replies to "
+                "each of the 400 prompts took). The regeneration of the 400 human prompts is common to every point.", "",
                 "| data | train tokens / epoch | dev AL (teacher-forced) | dev per position | test vLLM AL | test "
-                "offline AL | test teacher-forced AL | train s |", "|---|---|---|---|---|---|---|---|"]
+                "offline AL | test teacher-forced AL | generation s (H200, hf) | train s |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        made = {r["made"]: r for r in rows if r["step"] == "data"}
+
+        def generation(spec: dict) -> str:
+            """Generation time of a point's extra data, pro-rated from the runs that made the most of it."""
+            if "synthetic" in spec and "synthetic.parquet (conversations)" in made:
+                ps, cs = made.get("synthetic.parquet (prompts)", {}), made["synthetic.parquet (conversations)"]
+                share = spec["synthetic"] / cs["conversations"]
+                return f"{share * ((ps.get('wall_s') or 0) + cs['wall_s']):.0f}"
+            if "replies" in spec and f"train-replies{REPLIES_MAX}.parquet" in made:
+                return f"~{120 * (spec['replies'] - 1) / (REPLIES_MAX - 1):.0f}"  # ~2 min for 3 sampled each
+            return "–"
         for n, r, v in data_rows:
             def get(key, row=v):
                 return f"{row[key]:.3f}" if row and row.get(key) is not None else "–"
@@ -466,7 +480,7 @@ def table() -> str:
             out.append(f"| {n} | {tokens} | {r['dev_acceptance_length']:.3f} | "
                        f"{fmt(r['dev_per_position'])} | {get('vllm_acceptance_length')} | "
                        f"{get('offline_acceptance_length')} | {get('teacher_forced_acceptance_length')} | "
-                       f"{r['train_wall_s']:.0f} |")
+                       f"{generation(DATA[n])} | {r['train_wall_s']:.0f} |")
     text = "\n".join(out) + "\n"
     (RESULTS / "drafter_recipe.md").write_text(text)
     return text
