@@ -412,3 +412,42 @@ def test_a_servers_reply_keeps_its_own_ids_and_gets_the_stop_token_only_where_th
     assert got.ids == text_ids + [end] and not got.capped
     cut = _from_server(Completion("0", "Paris is", None, "length"), [1, 2], tok, {end})
     assert cut.capped and end not in cut.ids
+
+
+def test_an_engines_yes_is_kept_per_install_and_a_no_is_asked_again(tmp_path, monkeypatch):
+    """The support probe imports the engine (30-60 s on 2 cores): a yes is kept for the same install and
+    question, asked again once the install changes; a no is never kept."""
+    import types
+
+    from eagle3_assets.worker.engines.server import check_support
+    from eagle3_assets.worker.errors import StageError
+
+    site = tmp_path / "site"
+    (site / "toy_engine").mkdir(parents=True)
+    init = site / "toy_engine" / "__init__.py"
+    init.write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("EAGLE3_ENGINE_CHECK_CACHE", str(tmp_path / "cache"))
+    runs = tmp_path / "probe-runs"
+    probe = ("import json, sys, pathlib\n"
+             f"pathlib.Path({str(runs)!r}).open('a').write('x')\n"
+             "ok = sys.argv[2] != 'unsupported'\n"
+             "print(json.dumps({'installed': True, 'supported': ok, 'version': '1.0', 'reasons': ['no such model'],"
+             " 'architecture': sys.argv[1]}))\n")
+    engine = types.SimpleNamespace(NAME="toy_engine", SUPPORT_PROBE=probe, INSTALL="pip install toy")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+
+    first = check_support(engine, sys.executable, target)
+    again = check_support(engine, sys.executable, target)
+    assert runs.read_text() == "x" and first["supported"] and again["checked"].startswith("kept")
+    os.utime(init, ns=(init.stat().st_atime_ns, init.stat().st_mtime_ns + 10**9))  # a reinstall, as the key sees it
+    check_support(engine, sys.executable, target)
+    assert runs.read_text() == "xx"
+
+    (target / "config.json").write_text('{"architectures": ["Other"], "model_type": "unsupported"}')
+    for n in (3, 4):  # refused, and asked again each time
+        with pytest.raises(StageError, match="no such model"):
+            check_support(engine, sys.executable, target)
+        assert runs.read_text() == "x" * n

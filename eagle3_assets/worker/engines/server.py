@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,16 +17,57 @@ from pathlib import Path
 
 from ..errors import StageError
 
+# Where a yes from an engine's probe is kept: the probe imports the engine (30-60 s on a 2-core CPU), and the
+# main command asks the same engine the same question before generating and again before benchmarking.
+_CACHE_ENV = "EAGLE3_ENGINE_CHECK_CACHE"  # a directory, or 0 to probe every time
+
+
+def _installed(python: str, module: str) -> str | None:
+    """The engine's installed copy as the engine's Python finds it, without importing it: the path and
+    modification time of its package, so that an upgrade or reinstall is another key. None if not found."""
+    code = ("import importlib.util as u, os, sys\ns = u.find_spec(sys.argv[1])\n"
+            "print(f'{s.origin}:{os.stat(s.origin).st_mtime_ns}' if s and s.origin else '')")
+    try:
+        done = subprocess.run([python, "-c", code, module], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def _cached_answer(engine, python: str, question: list[str]) -> tuple[Path | None, dict | None]:
+    """(cache file, the kept answer if there is one) for this engine install and question."""
+    where = os.environ.get(_CACHE_ENV, str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                           / "eagle3-assets" / "engine-support"))
+    installed = _installed(python, engine.NAME) if where != "0" else None  # NAME: its module
+    if installed is None:
+        return None, None
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([os.path.realpath(python), installed, *question]).encode()).hexdigest()[:32]
+    path = Path(where) / f"{engine.NAME}-{key}.json"
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path, None
+
 
 def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
     """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
-    model type and what to do."""
+    model type and what to do. A yes is kept per engine install (path and mtime), probe and question, so the
+    next stage that asks gets it at once; a no is asked again every time."""
     cfg = json.loads((target / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     model_type = cfg.get("model_type", "?")
     text_arch = ((cfg.get("text_config") or {}).get("architectures") or [arch])[0]
+    code = probe or engine.SUPPORT_PROBE
+    if shutil.which(python) is None:
+        raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
+                         f"environment where {engine.NAME} is installed")
+    cache, kept = _cached_answer(engine, python, [code, arch, model_type, text_arch])
+    if kept is not None:
+        return {**kept, "checked": "kept from an earlier probe of this install"}
     try:
-        done = subprocess.run([python, "-c", probe or engine.SUPPORT_PROBE, arch, model_type, text_arch],
+        done = subprocess.run([python, "-c", code, arch, model_type, text_arch],
                               capture_output=True, text=True, timeout=600)
     except FileNotFoundError:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
@@ -43,6 +85,15 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
             f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports "
             f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}, or use the "
             f"other {'engine' if purpose.startswith('serve') else 'backend'}")
+    if cache is not None:
+        from ..files import atomic_file
+
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(cache) as tmp:
+                tmp.write_text(json.dumps(info))
+        except OSError:
+            pass  # a read-only home: probe again next time
     return info
 
 
