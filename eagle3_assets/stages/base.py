@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..common import engines
 
@@ -39,6 +39,14 @@ DTYPE_HELP = "auto: bfloat16 on a GPU or a CPU with bf16 instructions, else floa
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class EngineLaunch(Settings):
+    """What every stage that starts a serving engine launches it with, one setting for them all."""
+    language_model_only: bool | None = Field(
+        default=None, description="vLLM: serve a multimodal wrapper's text model alone (--language-model-only: "
+        "no vision tower, whose config the engine may not fully read). None: on for a wrapper (text_config in its "
+        "config.json) when the installed vLLM has the flag; recorded in each stage's metadata")
 
 
 class Args(Settings):

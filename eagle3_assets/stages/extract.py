@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, NAMES, Args, Contract, Settings
+from .base import DTYPE_HELP, NAMES, Args, Contract, EngineLaunch
 
 
-class ExtractSettings(Settings):
+class ExtractSettings(EngineLaunch):
     backend: Literal[("hf", *NAMES)] = Field(
         default="hf", description="hf: a transformers forward in the worker, the whole target on one device (targets "
                                   "one GPU holds); vllm: the target served by vLLM on the host with tensor/data "

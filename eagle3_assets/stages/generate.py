@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, NAMES, Args, Contract, Result, Settings
+from .base import DTYPE_HELP, NAMES, Args, Contract, EngineLaunch, Result
 
 
-class GenerateSettings(Settings):
+class GenerateSettings(EngineLaunch):
     backend: Literal[("hf", *NAMES)] = Field(
         default="hf", description="hf: batched generate in the worker; vllm / sglang: the target served on the host "
                                   "(same launch as serving_benchmark), batch_size requests in flight")

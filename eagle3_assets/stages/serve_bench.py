@@ -13,13 +13,13 @@ from .base import (
     NUM_SPECULATIVE_TOKENS,
     Args,
     Contract,
+    EngineLaunch,
     EngineName,
     Result,
-    Settings,
 )
 
 
-class ServeBenchSettings(Settings):
+class ServeBenchSettings(EngineLaunch):
     limit: int | None = Field(default=16, gt=0, description="prompts sent (None: all), as offline_acceptance's limit")
     max_new_tokens: int = Field(default=EVAL_NEW_TOKENS, gt=0, description="per request, as offline_acceptance's")
     num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0)

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import DTYPE_HELP, NAMES, Args, Contract, Result, Settings
+from .base import DTYPE_HELP, NAMES, Args, Contract, EngineLaunch, Result
 
 
-class SynthesizeSettings(Settings):
+class SynthesizeSettings(EngineLaunch):
     count: int | None = Field(default=None, ge=0, description="synthetic prompts to write (0: none, the conversations "
                               "are the human prompts' alone; None: per_training_prompt x the human training prompts)")
     per_training_prompt: float = Field(default=3.0, ge=0, description="with count None: synthetic prompts per human "

@@ -451,3 +451,67 @@ def test_an_engines_yes_is_kept_per_install_and_a_no_is_asked_again(tmp_path, mo
         with pytest.raises(StageError, match="no such model"):
             check_support(engine, sys.executable, target)
         assert runs.read_text() == "x" * n
+
+
+def test_language_model_only_is_one_setting_for_every_stage_that_starts_the_engine(tmp_path):
+    """A multimodal wrapper is served text-only (--language-model-only) by extraction, generation and the
+    benchmark alike: one setting in each contract, one decision, in each argv."""
+    from eagle3_assets.stages.extract import ExtractSettings
+    from eagle3_assets.stages.generate import GenerateSettings
+    from eagle3_assets.stages.serve_bench import ServeBenchSettings
+    from eagle3_assets.stages.synthesize import SynthesizeSettings
+    from eagle3_assets.worker.errors import StageError
+    from tiny_targets import save_kimi_k25_like, save_tiny_llama
+
+    fields = [c.model_fields["language_model_only"] for c in (ExtractSettings, GenerateSettings, ServeBenchSettings,
+                                                               SynthesizeSettings)]
+    assert all(f.default is None and f.description == fields[0].description for f in fields)
+    kimi, llama = save_kimi_k25_like(tmp_path / "kimi").path, save_tiny_llama(tmp_path / "llama")
+    has_flag, lacks_flag = {"language_model_only": True, "version": "0.32.0"}, {"language_model_only": False}
+    assert vllm.text_only(kimi, has_flag, None) is True  # the default: a wrapper, served text-only
+    assert vllm.text_only(llama, has_flag, None) is False
+    assert vllm.text_only(kimi, has_flag, False) is False  # the user's choice wins
+    assert vllm.text_only(kimi, lacks_flag, None) is False
+    with pytest.raises(StageError, match="has no --language-model-only flag"):
+        vllm.text_only(llama, lacks_flag, True)
+    with pytest.raises(StageError, match="SGLang's server has no such flag"):
+        sglang.text_only(kimi, {}, True)
+    common = dict(drafter=None, k=0, dtype="float32", max_model_len=512, seed=0, extra=[])
+    assert "--language-model-only" in vllm.server_command("python", str(kimi), 1, language_model_only=True, **common)
+    assert "--language-model-only" not in vllm.server_command("python", str(kimi), 1, **common)
+    # the installed vLLM answers whether it has the flag (its probe reads its own argument parser)
+    from eagle3_assets.worker.engines.server import check_support
+
+    assert check_support(vllm, sys.executable, llama)["language_model_only"] is True
+
+
+def _config_only_target(d: Path, cfg: dict) -> Path:
+    """The preflight reads config.json alone: a target of no weights is enough to ask the engine."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.slow  # three probes of the installed vLLM (it is imported each time: a refusal is never kept)
+def test_the_vllm_preflight_refuses_what_the_server_would_fail_on_later(tmp_path):
+    """An MLA latent width vLLM's MLA kernels do not take fails the first request 77 s after a start that the
+    preflight had allowed; an architecture vLLM spells otherwise is a rename, not an upgrade."""
+    from eagle3_assets.worker.engines.server import check_support
+    from eagle3_assets.worker.errors import StageError
+    from tiny_targets import kimi_k25_text_config, smollm2_tokenizer
+
+    tc = kimi_k25_text_config(smollm2_tokenizer(), layers=4, hidden=64, heads=8, vocab=1024).to_dict()
+    mla = {**tc, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    fits = _config_only_target(tmp_path / "latent-320", mla)  # 256 + 64: a width vLLM's MLA takes
+    info = check_support(vllm, sys.executable, fits, probe=vllm.EXTRACT_PROBE, purpose="extract hidden states")
+    assert info["supported"], info
+    narrow = _config_only_target(tmp_path / "latent-48", {**mla, "kv_lora_rank": 32, "qk_rope_head_dim": 16})
+    with pytest.raises(StageError) as e:
+        check_support(vllm, sys.executable, narrow, probe=vllm.EXTRACT_PROBE, purpose="extract hidden states")
+    assert "latent widths [320, 512, 576]" in str(e.value) and "this target's is 48 (kv_lora_rank 32" in str(e.value)
+    spelled = _config_only_target(tmp_path / "spelled", {"architectures": ["Kimi_K25ForConditionalGeneration"],
+                                                        "model_type": "kimi_k25", "text_config": mla})
+    with pytest.raises(StageError) as e:
+        check_support(vllm, sys.executable, spelled)
+    msg = str(e.value)
+    assert "has 'KimiK25ForConditionalGeneration'" in msg and "Upgrade" not in msg, msg

@@ -50,12 +50,14 @@ class Settings:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     ready_timeout_s: float = 1200.0
+    language_model_only: bool | None = None
 
     @classmethod
     def of(cls, args, max_model_len: int) -> Settings:
         return cls(args.backend, args.dtype, getattr(args, "device", "auto"), args.max_new_tokens, max_model_len,
                    args.batch_size, args.seed, args.engine_python, tuple(args.extra_args or ()),
-                   tuple((str(k), str(v)) for k, v in (args.env or {}).items()), args.ready_timeout_s)
+                   tuple((str(k), str(v)) for k, v in (args.env or {}).items()), args.ready_timeout_s,
+                   getattr(args, "language_model_only", None))
 
 
 def eos_ids(tok, generation_config=None) -> set[int]:
@@ -114,9 +116,10 @@ def server_backend(engine_name: str):
 
         engine = engines.get(engine_name)
         python = s.engine_python or sys.executable
-        check_support(engine, python, target)
+        text_only = engine.text_only(target, check_support(engine, python, target), s.language_model_only)
         argv = engine.server_command(python, str(target), free_port(), drafter=None, k=0, dtype=s.dtype,
-                                     max_model_len=s.max_model_len, seed=s.seed, extra=list(s.extra_args))
+                                     max_model_len=s.max_model_len, seed=s.seed, extra=list(s.extra_args),
+                                     language_model_only=text_only)
         env = {**engine.SERVER_ENV, **dict(s.env)}
         from transformers import GenerationConfig
 
@@ -144,6 +147,7 @@ def server_backend(engine_name: str):
                 prog.update(0, tokens=sum(len(c.ids) for c in out))
                 return out
 
+            complete.launch = {"language_model_only": text_only}  # how the engine was launched: for the metadata
             yield complete
 
     return backend

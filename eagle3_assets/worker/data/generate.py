@@ -105,6 +105,7 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
     settings = Settings.of(args, max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     with backend(settings, target, tok, out.parent, reporter) as complete, \
             reporter.progress("generate", total_turns, unit="turns") as prog:
+        launch = getattr(complete, "launch", {})  # a server backend's launch settings
         t0 = time.monotonic()
         pending = [(c, p) for c in convs if (p := c.next_prompt()) is not None]
         while pending:
@@ -162,6 +163,7 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
     meta = {
         "path": str(out),
         "backend": args.backend,
+        **launch,
         "conversations": len(records),
         "prompts": len(rows),
         "responses_per_prompt": args.responses_per_prompt,

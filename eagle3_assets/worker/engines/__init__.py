@@ -32,8 +32,12 @@ class Engine(Protocol):
 
     # ---- serving (serve_bench; generate's server backend: drafter=None) ----
     def server_command(self, python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                       max_model_len: int, seed: int, extra: list[str]) -> list[str]:
+                       max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
         """The server's argv (`--port` among it): the target alone, or with the EAGLE-3 `drafter` drafting k."""
+
+    def text_only(self, target, info: dict, choice: bool | None) -> bool:
+        """Whether to serve a multimodal wrapper's text model alone (the stages' `language_model_only`; `info`:
+        the support probe's answer); the same answer for every stage that starts the engine."""
 
     def server_plan(self, concurrencies: list[int]) -> list[list[int]]:
         """The concurrencies the speculative servers measure, one list per fresh server."""
@@ -95,12 +99,14 @@ def reading(field: str) -> list:
 
 
 # The common frame of the support probes: a script run with the engine's Python (argv: architecture,
-# model_type, and for a wrapped target its text model's architecture) that imports the engine, runs the
+# model_type, its text model's architecture for a wrapped target, and the text model's shapes as JSON:
+# `target_shapes`) that imports the engine, runs the
 # engine's own checks (which append to `reasons`) and prints one JSON line.
 _PROBE_HEAD = r'''
 import inspect, json, re, sys
 arch, model_type = sys.argv[1], sys.argv[2]
 text_arch = sys.argv[3] if len(sys.argv) > 3 else arch
+shapes = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # the text model's shapes an engine may limit
 out = {"engine": "%(name)s", "architecture": arch, "model_type": model_type}
 try:
     import %(name)s as engine
@@ -119,3 +125,14 @@ print(json.dumps(out))
 
 def support_probe(name: str, checks: str) -> str:
     return _PROBE_HEAD % {"name": name} + checks + _PROBE_TAIL
+
+
+def target_shapes(cfg: dict) -> dict:
+    """The shapes of a target's text model that an engine's kernels may limit (a support probe's 4th argument):
+    an MLA model's latent width, kv_lora_rank + qk_rope_head_dim."""
+    tc = cfg.get("text_config") or cfg
+    if tc.get("kv_lora_rank"):
+        rope = int(tc.get("qk_rope_head_dim") or 0)
+        return {"mla_latent": int(tc["kv_lora_rank"]) + rope, "kv_lora_rank": int(tc["kv_lora_rank"]),
+                "qk_rope_head_dim": rope}
+    return {}

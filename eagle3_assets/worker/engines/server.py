@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,15 +60,18 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
     arch = (cfg.get("architectures") or ["?"])[0]
     model_type = cfg.get("model_type", "?")
     text_arch = ((cfg.get("text_config") or {}).get("architectures") or [arch])[0]
+    from . import target_shapes
+
+    shapes = json.dumps(target_shapes(cfg), sort_keys=True)
     code = probe or engine.SUPPORT_PROBE
     if shutil.which(python) is None:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
                          f"environment where {engine.NAME} is installed")
-    cache, kept = _cached_answer(engine, python, [code, arch, model_type, text_arch])
+    cache, kept = _cached_answer(engine, python, [code, arch, model_type, text_arch, shapes])
     if kept is not None:
         return {**kept, "checked": "kept from an earlier probe of this install"}
     try:
-        done = subprocess.run([python, "-c", code, arch, model_type, text_arch],
+        done = subprocess.run([python, "-c", code, arch, model_type, text_arch, shapes],
                               capture_output=True, text=True, timeout=600)
     except FileNotFoundError:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
@@ -80,10 +84,12 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
         raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
                          f"({engine.INSTALL}), or set engine_python to the environment that has it")
     if not info["supported"]:
+        fix = ("Fix the target's config.json as said" if info.get("close_spelling") and len(info["reasons"]) == 1
+               else f"Upgrade {engine.NAME} to a release that supports "
+               f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}")
         raise StageError(
             f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
-            f"{model_type!r}): {'; '.join(info['reasons'])}. Upgrade {engine.NAME} to a release that supports "
-            f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}, or use the "
+            f"{model_type!r}): {'; '.join(info['reasons'])}. {fix}, or use the "
             f"other {'engine' if purpose.startswith('serve') else 'backend'}")
     if cache is not None:
         from ..files import atomic_file
@@ -131,6 +137,10 @@ class EngineServer:
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env, start_new_session=True, preexec_fn=_stop_with_parent)
         log.close()
+        # The server's own SIGTERM (above) may leave its engine processes behind when it dies mid-start; the
+        # watcher, in the worker's group, stops the server's whole group when the worker dies, kill -9 included
+        self.watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(self.proc.pid)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -204,6 +214,50 @@ class EngineServer:
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self.proc = None
+        if getattr(self, "watcher", None) is not None:  # it exits on its own once the group is gone
+            try:
+                self.watcher.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.watcher.kill()
+                self.watcher.wait()
+            self.watcher = None
+
+
+# Watches a server's process group from the worker's: when the worker dies (its SIGTERM through
+# PR_SET_PDEATHSIG, or a cancel's SIGTERM to the worker's group), SIGTERM to the server's group, then SIGKILL
+# after 15 s; exits as soon as the group is gone. argv: the server's process group id.
+_WATCHER = r"""
+import ctypes, os, signal, sys, time
+pgid = int(sys.argv[1])
+def alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+def stop(*_):
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait
+        while time.monotonic() < end and alive():
+            time.sleep(0.2)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+parent = os.getppid()
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+while alive():
+    if os.getppid() != parent:  # the worker died (before the prctl, or where it is unavailable)
+        stop()
+    time.sleep(0.5)
+"""
 
 
 def _stop_with_parent() -> None:

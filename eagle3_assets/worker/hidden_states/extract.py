@@ -252,6 +252,7 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
         "backend": backend,
         "engine": engine["engine"],
         "engine_version": engine["engine_version"],
+        **({"language_model_only": engine["language_model_only"]} if "language_model_only" in engine else {}),
         "parts": len(files),
         **{k: v for k, v in dtype_info.items() if k != "dtype"},
         "dtype": engine["dtype"],

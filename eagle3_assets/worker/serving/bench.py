@@ -97,6 +97,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     info = check_support(engine, python, target)
     reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
                  f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
+    text_only = engine.text_only(target, info, args.language_model_only)
     tok = load_tokenizer(target)
     rows = pq.read_table(prompts_path).to_pylist()[: int(args.limit or 10**9)]
     if not rows:
@@ -108,7 +109,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     dtype_info = choice(args.dtype, host_device())
     reporter.log(line(dtype_info))
     common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.max_model_len),
-                  seed=int(args.seed), extra=list(args.extra_args or []))
+                  seed=int(args.seed), extra=list(args.extra_args or []), language_model_only=text_only)
     timeout = float(args.ready_timeout_s)
 
     plans = [("eagle3", levels) for levels in engine.server_plan(concurrencies)]
@@ -139,7 +140,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
                 _write_requests(out_dir / f"requests-{mode}-c{c}.jsonl", responses)
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
-    summary["metadata"].update(dtype_info)
+    summary["metadata"].update(dtype_info, language_model_only=text_only)
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)
                                             if args.trained_drafter else None, target))
     append_history(history, summary["rows"], reporter, moved)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ...errors import StageError
 from .. import support_probe
 
 NAME = "sglang"
@@ -46,8 +47,16 @@ except Exception as e:
 ''')
 
 
+def text_only(target, info: dict, choice: bool | None) -> bool:
+    """SGLang's documented server arguments have no --language-model-only: a wrapper loads whole."""
+    if choice:
+        raise StageError("language_model_only is a vLLM setting: SGLang's server has no such flag; unset it for "
+                         "SGLang (it loads the whole wrapper)")
+    return False
+
+
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                   max_model_len: int, seed: int, extra: list[str]) -> list[str]:
+                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
     """`python -m sglang.launch_server`; with a drafter, chain drafting of k tokens (topk 1, k+1 tokens
     verified), the EAGLE3 algorithm: `EAGLE` with an EAGLE-3 draft loads and silently accepts nothing."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--served-model-name", "target",

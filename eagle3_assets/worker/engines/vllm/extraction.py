@@ -25,11 +25,6 @@ if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each
     from ....stages.extract import ExtractArgs
 
 
-def is_wrapper(target: Path) -> bool:
-    cfg = json.loads((target / "config.json").read_text())
-    return "text_config" in cfg or "vision_config" in cfg
-
-
 def _post(port: int, body: dict, headers: dict | None = None, timeout_s: float = 600.0) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
@@ -65,7 +60,8 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
         storage=args.storage,
         max_model_len=int(args.max_model_len or max_len), tensor_parallel_size=tp, data_parallel_size=dp,
         seed=int(args.seed), extra=list(args.extra_args or []))
-    if is_wrapper(target) and info.get("language_model_only") and "--language-model-only" not in argv:
+    text_only = vllm.text_only(target, info, args.language_model_only)
+    if text_only and "--language-model-only" not in argv:
         argv.append("--language-model-only")  # a multimodal wrapper (Kimi-K2.5): text in, no vision tower loaded
     env = {**vllm.SERVER_ENV, **run.env}  # the engine imports our connector by module path (PYTHONPATH)
     reporter.log(f"vllm {info['version']} extracts for {info['architecture']} ({info.get('model_class', '?')}); "
@@ -103,5 +99,6 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     validate_dump(samples, index, stored_ids(tmp), problems)
     return files, index, {"engine": "vllm", "engine_version": info["version"], "engine_model_class": info.get("model_class"),
                           "capture_ids": ids, "tensor_parallel_size": tp, "data_parallel_size": dp,
+                          "language_model_only": text_only,
                           "engine_ready_s": round(ready, 1), "engine_wall_s": round(wall, 2),
                           "stage_wall_s": round(time.monotonic() - t_start, 2)}
