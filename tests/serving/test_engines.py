@@ -285,7 +285,12 @@ SUPPORT_PROBE = support_probe("fake", "")
 EXTRACT_PROBE = support_probe("fake", "")
 
 
-def server_command(python, target, port, *, drafter, k, dtype, max_model_len, seed, extra):
+def text_only(target, info, choice):
+    return bool(choice)
+
+
+def server_command(python, target, port, *, drafter, k, dtype, max_model_len, seed, extra,
+                   language_model_only=False):
     return [python, "-m", "fake.serve", target, "--port", str(port)] + (["--draft", drafter] if drafter else []) + extra
 
 
