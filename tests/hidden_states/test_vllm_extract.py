@@ -278,7 +278,9 @@ def test_a_cancelled_or_killed_extraction_leaves_no_server_and_no_shard(built, t
         time.sleep(0.5)
     server = [p for p in _processes_mentioning(str(out)) if p != worker.pid]
     assert server, "no server was started"
-    time.sleep(20)  # mid-start: the engine processes are up and loading
+    deadline = time.monotonic() + 180  # mid-start: the engine processes are up and loading (slower on a busy CPU)
+    while time.monotonic() < deadline and len(_group_members(server[0])) < 2:
+        time.sleep(0.5)
     assert len(_group_members(server[0])) > 1, "the server's engine processes are not in its group"
     if how == "cancel":
         os.killpg(worker.pid, signal.SIGTERM)

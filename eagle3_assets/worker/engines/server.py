@@ -139,8 +139,12 @@ class EngineServer:
         log.close()
         # The server's own SIGTERM (above) may leave its engine processes behind when it dies mid-start; the
         # watcher, in the worker's group, stops the server's whole group when the worker dies, kill -9 included
-        self.watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(self.proc.pid)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        root = str(Path(__file__).resolve().parents[3])  # the directory holding eagle3_assets: importable there
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from eagle3_assets.worker.engines.server import watch; "
+             "watch(int(sys.argv[1]))", str(self.proc.pid)],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -223,41 +227,33 @@ class EngineServer:
             self.watcher = None
 
 
-# Watches a server's process group from the worker's: when the worker dies (its SIGTERM through
-# PR_SET_PDEATHSIG, or a cancel's SIGTERM to the worker's group), SIGTERM to the server's group, then SIGKILL
-# after 15 s; exits as soon as the group is gone. argv: the server's process group id.
-_WATCHER = r"""
-import ctypes, os, signal, sys, time
-pgid = int(sys.argv[1])
-def alive():
+def watch(pgid: int) -> None:
+    """The watcher process's body (argv: the server's process group id), run from the worker's group: when
+    the worker dies (its SIGTERM through PR_SET_PDEATHSIG, or a cancel's SIGTERM to the worker's group),
+    SIGTERM to the server's group, then SIGKILL after 15 s; returns as soon as the group is gone."""
+    import ctypes
+
+    def stop(*_):
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait
+            while time.monotonic() < end and _group_alive(pgid):
+                time.sleep(0.2)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    parent = os.getppid()
     try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-def stop(*_):
-    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + wait
-        while time.monotonic() < end and alive():
-            time.sleep(0.2)
-    os._exit(0)
-signal.signal(signal.SIGTERM, stop)
-parent = os.getppid()
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-while alive():
-    if os.getppid() != parent:  # the worker died (before the prctl, or where it is unavailable)
-        stop()
-    time.sleep(0.5)
-"""
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    while _group_alive(pgid):
+        if os.getppid() != parent:  # the worker died (before the prctl, or where it is unavailable)
+            stop()
+        time.sleep(0.5)
 
 
 def _stop_with_parent() -> None:
