@@ -265,7 +265,8 @@ class Trainer:
             self.model.load_state_dict(state["model"], strict=False)
             self.opt.load_state_dict(state["optimizer"])
             self.sched.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["rng"])
+            # the state was loaded onto the training device; the CPU generator takes only a CPU tensor
+            torch.set_rng_state(state["rng"].cpu())
             self.step = state["step"]
             self.planned = state.get("planned_steps")
             if self.planned:  # a time budget's plan holds for the whole run, not re-timed on resume
