@@ -122,6 +122,14 @@ def test_recipe_options_frozen_head_all_tokens_and_heldout_acceptance(trained):
     accept = [meta[f"heldout_accept_{i}"] for i in range(3)]
     assert 1 >= accept[0] >= accept[1] >= accept[2] >= 0
     assert meta["heldout_acceptance_length_k3"] == pytest.approx(1 + sum(accept), abs=1e-3)
+    # the benchmarks' entry point recomputes it from the saved weights, and on each reply's first tokens only
+    from eagle3_assets.worker.training.evaluate import heldout_acceptance
+
+    drafter, held = trained.workdir / "drafter/frozen/model", [trained.workdir / "hidden_states/shard-00001"]
+    again = heldout_acceptance(Path(target), drafter, held)
+    assert again["acceptance_length"] == pytest.approx(meta["heldout_acceptance_length_k3"], abs=1e-3)
+    first = heldout_acceptance(Path(target), drafter, held, first_tokens=4)
+    assert 1 <= first["acceptance_length"] <= 4  # (it raised a TypeError once the reader took `stored`)
     # the same run's curves in TensorBoard: every step's loss, per epoch the held-out figure, at the end the final
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

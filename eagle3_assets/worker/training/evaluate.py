@@ -124,8 +124,8 @@ def heldout_acceptance(target: Path, drafter_dir: Path, shard_dirs: list[Path], 
     if first_tokens:
         read = data.read
 
-        def truncated(ref):
-            s = read(ref)
+        def truncated(ref, stored=False):
+            s = read(ref, stored)
             m = s["loss_mask"].bool()
             s["loss_mask"] = m & (m.long().cumsum(0) <= first_tokens)
             return s
