@@ -310,7 +310,7 @@ def data_split(w: Path, name: str, backend: str = "hf", batch_size: int = 128) -
         table = pa.Table.from_pylist([r for r in rows if "~s" not in r["id"] or r["id"][r["id"].index("~s"):] in keep])
     else:
         prompts, convs = w / "prompts" / "synthetic.parquet", w / "conversations" / "synthetic.parquet"
-        if not convs.exists():
+        if not prompts.exists():  # prompts made elsewhere (another machine, say) are kept
             meta, res = stage(w, "synthesize", {"target": info["target"], "train": "prompts/train.parquet",
                                                 "held_out": ["prompts/dev.parquet", "prompts/test.parquet"],
                                                 "out": str(prompts), "count": SYNTHETIC_MAX, "backend": backend,
@@ -319,6 +319,7 @@ def data_split(w: Path, name: str, backend: str = "hf", batch_size: int = 128) -
                     **{k: v for k, v in meta.items() if k.startswith("dropped_") or k in (
                         "prompts", "candidates", "kept_share", "generated_tokens", "mean_words", "examples_kept",
                         "examples_dropped")}})
+        if not convs.exists():
             meta, res = stage(w, "generate", {**gen, "prompts": str(prompts), "out": str(convs),
                                               "limit": SYNTHETIC_MAX})
             record({"step": "data", "made": convs.name, "wall_s": res["_wall_s"],
