@@ -51,7 +51,9 @@ def smollm2_tokenizer():
     return _TOKENIZER["tok"]
 
 
-def kimi_k25_text_config(tok, *, layers: int, hidden: int, heads: int, vocab: int):
+def kimi_k25_text_config(tok, *, layers: int, hidden: int, heads: int, vocab: int, experts: int = 8,
+                         experts_per_token: int = 2, groups: int = 4, topk_group: int = 2,
+                         q_lora: int | None = None):
     from transformers import DeepseekV3Config
 
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -60,9 +62,11 @@ def kimi_k25_text_config(tok, *, layers: int, hidden: int, heads: int, vocab: in
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         # MLA: low-rank q and kv, a query head = nope + rope parts; v_head_dim != hidden / heads on purpose.
         # kv_lora_rank + qk_rope_head_dim = 320: the smallest latent width vLLM's MLA kernels take (Kimi's: 576)
-        q_lora_rank=hidden // 2, kv_lora_rank=256, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
-        # MoE from layer 1 on: 4 routed experts in 2 groups, 1 group and 2 experts per token, 1 shared expert
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        q_lora_rank=q_lora or hidden // 2, kv_lora_rank=256, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
+        # MoE from layer 1 on: by default 8 routed experts in 4 groups, 2 groups and 2 experts per token (Kimi's
+        # group-limited routing, with the correction bias), 1 shared expert
+        n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=experts_per_token, n_group=groups,
+        topk_group=topk_group,
         first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=eos, pad_token_id=eos, dtype="float32")
@@ -88,24 +92,40 @@ def _vision_tensors(cfg) -> dict[str, torch.Tensor]:
 
 
 def save_kimi_k25_like(out: Path, *, layers: int = 8, hidden: int = 64, heads: int = 8, vocab: int = KIMI_VOCAB,
-                       seed: int = 0) -> TinyTarget:
+                       seed: int = 0, router_keys: bool = True, scoring_func: str | None = "sigmoid",
+                       router_std: float = 0.1, router_bias: float = 0.05, **moe) -> TinyTarget:
+    """`moe`: kimi_k25_text_config's expert settings. `router_keys`: write the router's `scoring_func` and
+    `topk_method` as Moonshot's and DeepSeek's configs do (transformers' DeepseekV3Config has neither, and vLLM
+    then routes by softmax; without `topk_method` it cannot load the correction bias). `scoring_func` None: that
+    key alone left out (vLLM scores by softmax, with the bias). The routers are random, as a trained one is not
+    uniform: weights at `router_std` (transformers' init: 0.02, every score near 0.5) and score-correction biases
+    uniform in +-`router_bias`, so an engine that ignored the bias or ranked groups otherwise would pick other
+    experts."""
     from transformers import AutoConfig, DeepseekV3ForCausalLM
 
     tok = smollm2_tokenizer()
-    tc = kimi_k25_text_config(tok, layers=layers, hidden=hidden, heads=heads, vocab=vocab)
+    tc = kimi_k25_text_config(tok, layers=layers, hidden=hidden, heads=heads, vocab=vocab, **moe)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(tc).float().eval()
     with torch.no_grad():
         model.lm_head.weight[len(tok):] = 0  # padded vocab rows: never the greedy choice
         model.model.norm.weight.uniform_(0.5, 1.5)  # not all ones: a test can tell where a norm came from
+        for layer in model.model.layers[tc.first_k_dense_replace:]:
+            layer.mlp.gate.weight.normal_(0.0, router_std)
+            layer.mlp.gate.e_score_correction_bias.uniform_(-router_bias, router_bias)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)  # per-expert tensor names, as the original checkpoints store them
         text = load_file(str(Path(tmp) / "model.safetensors"))
         shutil.copy(Path(tmp) / "generation_config.json", out / "generation_config.json")
     # Moonshot's text config also names its router (vLLM builds the gate's score-correction bias from it)
-    text_dict = {**tc.to_dict(), "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
-                 "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    text_dict = {**tc.to_dict(), "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    if router_keys:
+        text_dict.update(topk_method="noaux_tc", **({"scoring_func": scoring_func} if scoring_func else {}))
+        if not scoring_func:
+            text_dict.pop("scoring_func", None)
+    else:
+        text_dict = {k: v for k, v in text_dict.items() if k not in ("topk_method", "scoring_func")}
     top = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "dtype": "float32",
            "tie_word_embeddings": False, "text_config": text_dict,
            "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "num_hidden_layers": 1,

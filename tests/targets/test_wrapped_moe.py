@@ -233,6 +233,27 @@ def test_serving_reads_the_wrapped_targets_layer_count(pipeline, kimi):
     assert wiring["served_aux_layers"] == wiring["trained_aux_layers"] == pipeline.latest("eagle3_drafter")["aux_layer_ids"]
 
 
+def test_target_model_records_the_router_and_refuses_one_transformers_would_route_otherwise(pipeline, kimi, tmp_path):
+    """transformers routes DeepSeek-V3 / Kimi K2 experts by sigmoid + correction bias whatever the config says;
+    vLLM follows `scoring_func` / `topk_method` (absent: softmax). A config without them (as transformers'
+    DeepseekV3Config writes it) would give hf shards of another model than the engine serves."""
+    text = json.loads((kimi.path / "config.json").read_text())["text_config"]
+    assert pipeline.latest("target_model")["moe_routing"] == {
+        "experts": text["n_routed_experts"], "experts_per_token": text["num_experts_per_tok"],
+        "groups": text["n_group"], "groups_per_token": text["topk_group"], "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc"}
+    bare = tmp_path / "kimi-no-router-keys"
+    shutil.copytree(kimi.path, bare)
+    top = json.loads((bare / "config.json").read_text())
+    for key in ("scoring_func", "topk_method"):
+        top["text_config"].pop(key)
+    (bare / "config.json").write_text(json.dumps(top))
+    done = run_stage(tmp_path, "prepare_target", {"path": str(bare)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    for words in (str(bare), "scoring_func=None", "topk_method=None", '"scoring_func": "sigmoid"', "softmax"):
+        assert words in done.stderr, (words, done.stderr[-2000:])
+
+
 def test_a_wrapped_target_missing_a_text_tensor_is_refused_naming_it(pipeline, kimi, tmp_path):
     from safetensors.torch import save_file
 

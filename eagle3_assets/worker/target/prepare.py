@@ -13,6 +13,7 @@ from ...common.shard_format import MIN_TARGET_LAYERS
 from ..errors import StageError
 from ..files import hash_files, resolve
 from .model import load_config, text_config, weight_files
+from .moe_routing import check_router_config, routing
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.prepare_target import PrepareTargetArgs
@@ -128,6 +129,9 @@ def describe(path: Path, cfg) -> dict:
     }
     if tc is not cfg:
         info["text_model_type"] = tc.model_type
+    moe = routing(tc)
+    if moe:  # lineage: which router semantics the shards and the drafter rest on
+        info["moe_routing"] = moe
     return info
 
 
@@ -143,6 +147,7 @@ def run(workdir: str, args: PrepareTargetArgs, reporter) -> None:
         raise StageError(f"target {path} has {info['num_layers']} decoder layer(s): an EAGLE-3 drafter reads "
                          f"{MIN_TARGET_LAYERS} distinct layers of its target (low, middle, high), so no choice of "
                          "aux layers exists for it; use a target of at least 3 layers")
+    check_router_config(path, text_config(cfg))
     reporter.log(f"hashing the weights of {path}")
     version = hash_files(weight_files(path))[:32]
     info["weights_sha256"] = version
