@@ -21,7 +21,9 @@ the comparison), then asks both for their routing: transformers' gates by hook, 
 processes load (its own record, `--enable-return-routed-experts`, needs Model Runner V2, which the CPU build
 lacks), one prompt at a time. A token's hidden state at layer L can only
 differ if some token at or before it was routed differently at a layer <= L (attention carries it forward):
-the report counts how many of the disagreeing tokens that explains. Routing can also agree on the experts
+the report counts how many of the disagreeing tokens that explains. vLLM's routing comes from a second run,
+one prompt at a time, while its extraction batched them: a near-tie can tip differently between the two runs, so
+"explained" is a lower bound. Routing can also agree on the experts
 and differ in their weights (softmax against sigmoid scores): the variant is also run through transformers
 with the router vLLM builds from a config without the two keys (`no_scoring_func`), and compared with vLLM's shard.
 
