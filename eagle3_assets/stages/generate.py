@@ -35,6 +35,11 @@ class GenerateSettings(EngineLaunch):
     max_prompt_tokens: int = Field(default=2048, gt=0, description="a conversation whose history grows past this "
                                    "ends there")
     limit: int | None = Field(default=None, gt=0, description="regenerate only the first N training conversations")
+    time_budget_s: float | None = Field(default=None, gt=0, description="seconds of generation (a server's start "
+                                        "not counted): a batch or request that would end past them, by the time the "
+                                        "ones before took, is not started, and the conversations it would have begun "
+                                        "are left out (counted in the metadata). Sizes the data to the machine: a "
+                                        "slower one regenerates fewer prompts in the same time")
     dtype: str = Field(default="auto", description=DTYPE_HELP)
 
 

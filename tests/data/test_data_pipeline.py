@@ -128,6 +128,26 @@ def test_sampled_replies_are_recorded_per_kind(built, tmp_path):
     assert pq.read_table(tmp_path / "b.parquet").to_pylist() == rows
 
 
+def test_a_time_budget_regenerates_what_fits_and_counts_what_it_left_out(built, tmp_path):
+    """time_budget_s sizes the data to the machine: a batch that would end past the budget by the time the first
+    took is not started, and its conversations are left out, counted; the first batch always runs."""
+    args = {"target": built.latest("target_model")["path"], "prompts": str(built.workdir / "prompts/train.parquet"),
+            "limit": 6, "max_new_tokens": 8, "dtype": "float32", "batch_size": 2}
+
+    def run(name, budget):
+        done = run_stage(built.workdir, "generate", {**args, "out": str(tmp_path / name), "time_budget_s": budget})
+        assert done.returncode == 0, done.stderr[-3000:]
+        meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+        return meta, pq.read_table(tmp_path / name).to_pylist()
+
+    meta, rows = run("tight.parquet", 0.001)
+    # (a later turn of an answered conversation is past the budget too, and counted)
+    assert (meta["conversations"], meta["conversations_left_out"]) == (2, 4) and meta["turns_left_out"] >= 4
+    assert len(rows) == 2 and all(r["generated_tokens"] > 0 for r in rows) and meta["time_budget_s"] == 0.001
+    meta, rows = run("ample.parquet", 600)
+    assert (meta["conversations"], meta["conversations_left_out"], len(rows)) == (6, 0, 6)
+
+
 def test_a_cut_reply_gets_no_end_of_turn_it_never_wrote(built, tmp_path):
     """A reply stopped by max_new_tokens ends at its last token; a finished one ends with the end-of-turn
     token the target emitted, with loss on it."""

@@ -222,6 +222,13 @@ def test_conversations_regenerated_by_a_vllm_server_match_the_hf_backend(built, 
     replies = [(a["content"], b["content"]) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
                if a["role"] == "assistant"]
     assert replies and sum(a == b for a, b in replies) >= 0.8 * len(replies), replies
+    # a time budget the machine cannot meet: the first batch_size requests are sent, none after them
+    done = run_worker(built.workdir, "generate", {**common, "backend": "vllm", "out": str(tmp_path / "budget.parquet"),
+                                                  "extra_args": ["--max-num-seqs", "4", *EAGER], "time_budget_s": 0.001})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = pq.read_table(tmp_path / "budget.parquet").to_pylist()
+    assert len(cut) == 3 and {r["id"] for r in cut} <= {r["id"] for r in hf}, [r["id"] for r in cut]
+    assert f"3 of {len(hf)} conversations answered, {len(hf) - 3} left out" in done.stderr
     assert _engine_processes("vllm.entrypoints.openai.api_server") == []
 
 

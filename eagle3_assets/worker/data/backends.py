@@ -2,13 +2,15 @@
 engine of worker/engines/ (`vllm`, `sglang`), the target served on the host and asked through its API, for
 large sets. Stages `generate` (replies) and `synthesize` (prompts) both write through these.
 
-A backend is a context manager giving `complete(prompts, seeds, sampler, progress) -> [Completion]`: each
-prompt's ids exactly as fed, and what the target produced, its end-of-turn token included only where it
-emitted one."""
+A backend is a context manager giving `complete(prompts, seeds, sampler, progress, deadline=None) ->
+[Completion | None]`: each prompt's ids exactly as fed, and what the target produced, its end-of-turn token
+included only where it emitted one. With a `deadline` (time.monotonic()), work that would end past it by the
+time it has taken so far is not started, and its prompts come back None."""
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,11 +77,16 @@ def hf_backend(s: Settings, target: Path, tok, log_dir: Path, reporter) -> Itera
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     stops = eos_ids(tok, model.generation_config)
 
-    def complete(prompts: list[list[int]], seeds: list[int], sampler: Sampler, prog) -> list[Completion]:
+    def complete(prompts: list[list[int]], seeds: list[int], sampler: Sampler, prog,
+                 deadline: float | None = None) -> list[Completion | None]:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list[Completion | None] = [None] * len(prompts)
         sample = sampler.temperature > 0
+        took: list[float] = []  # each batch's time: the next one is expected to take their median
         for start in range(0, len(order), s.batch_size):
+            if deadline is not None and took and time.monotonic() + sorted(took)[len(took) // 2] > deadline:
+                break
+            t0 = time.monotonic()
             idx = order[start: start + s.batch_size]
             width = max(len(prompts[i]) for i in idx)
             pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -99,6 +106,7 @@ def hf_backend(s: Settings, target: Path, tok, log_dir: Path, reporter) -> Itera
                 out[i] = Completion(prompts[i], own, tok.decode(own, skip_special_tokens=True), n is None)
                 tokens += len(own)
             prog.update(len(idx), tokens=tokens)
+            took.append(time.monotonic() - t0)
         return out
 
     yield complete
@@ -133,18 +141,19 @@ def server_backend(engine_name: str):
             ready = server.wait_ready(float(s.ready_timeout_s), reporter)
             reporter.log(f"{engine_name} ready after {ready:.0f} s")
 
-            def complete(prompts: list[list[int]], seeds: list[int], sampler: Sampler, prog) -> list[Completion]:
+            def complete(prompts: list[list[int]], seeds: list[int], sampler: Sampler, prog,
+                         deadline: float | None = None) -> list[Completion | None]:
                 reqs = [load.Request(str(i), ids) for i, ids in enumerate(prompts)]
                 fields = [{"temperature": sampler.temperature, "top_p": sampler.top_p, "seed": seed,
                            **engine.GENERATION_FIELDS} for seed in seeds]
                 done = load.generate(server.base_url, "target", reqs, s.max_new_tokens, s.batch_size, fields,
-                                     on_done=lambda c: prog.update(1))
-                bad = [c for c in done if c.error]
+                                     on_done=lambda c: prog.update(1), deadline=deadline)
+                bad = [c for c in done if c.error and c.error != load.SKIPPED]
                 if bad:
                     raise StageError(f"{len(bad)} generation requests to {engine_name} failed, first: {bad[0].error}"
                                      + (f"\n{why}" if (why := server.died()) else ""))
-                out = [_from_server(c, p, tok, stops) for c, p in zip(done, prompts)]
-                prog.update(0, tokens=sum(len(c.ids) for c in out))
+                out = [None if c.error else _from_server(c, p, tok, stops) for c, p in zip(done, prompts)]
+                prog.update(0, tokens=sum(len(c.ids) for c in out if c))
                 return out
 
             complete.launch = {"language_model_only": text_only}  # how the engine was launched: for the metadata

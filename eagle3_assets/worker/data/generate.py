@@ -107,13 +107,25 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
             reporter.progress("generate", total_turns, unit="turns") as prog:
         launch = getattr(complete, "launch", {})  # a server backend's launch settings
         t0 = time.monotonic()
+        # the budget counts generation only (a server's start is not the machine's speed); greedy replies,
+        # the kind serving measures, go first
+        deadline = t0 + args.time_budget_s if args.time_budget_s else None
+        turns_left, started = 0, False
         pending = [(c, p) for c in convs if (p := c.next_prompt()) is not None]
         while pending:
             nxt = []
             for kind in sorted({c.kind for c, _ in pending}, key=lambda k: k.name):  # a batch shares its sampling
                 group = [(c, _prompt_ids(tok, p, args.max_prompt_tokens)) for c, p in pending if c.kind == kind]
-                done = complete([ids for _, (ids, _) in group], [c.seed for c, _ in group], kind, prog)
+                if deadline is not None and started and time.monotonic() >= deadline:  # nothing more starts
+                    done = [None] * len(group)
+                else:  # the first batch runs in any case: there is no time to go by before it
+                    started = True
+                    done = complete([ids for _, (ids, _) in group], [c.seed for c, _ in group], kind, prog, deadline)
                 for (conv, (_, cut)), c in zip(group, done):
+                    if c is None:  # not started within the time budget: the conversation ends before this turn
+                        turns_left += 1 + sum(m["role"] == "user" for m in conv.todo)
+                        conv.todo = []
+                        continue
                     reply = Reply(c.prompt_ids, c.ids, c.text, c.capped, cut)
                     conv.replies.append(reply)
                     conv.out.append({"role": "assistant", "content": reply.text})
@@ -123,6 +135,11 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
                         nxt.append((conv, p))
             pending = nxt
     wall = time.monotonic() - t0
+    left_out = [c for c in convs if not c.replies]
+    if left_out:
+        reporter.log(f"time budget ({args.time_budget_s:g} s of generation): {len(convs) - len(left_out)} of "
+                     f"{len(convs)} conversations answered, {len(left_out)} left out ({turns_left} turns in all)")
+        convs = [c for c in convs if c.replies]
 
     records, stats, bad = [], Counter(), []
     for c in convs:
@@ -176,6 +193,9 @@ def run(workdir: str, args: GenerateArgs, reporter) -> None:
         "tokens_per_s": round(gen_tokens / max(wall, 1e-9), 2),
         "wall_s": round(wall, 2),
         "length_capped_turns": sum(r["truncated_turns"] for r in records),
+        "time_budget_s": args.time_budget_s,
+        "conversations_left_out": len(left_out),  # by the time budget: the machine was slower than it allows
+        "turns_left_out": turns_left,
         "empty_replies": stats["empty_replies"],
         "degenerate_replies": stats["degenerate_replies"],
         "bad_reply_share": round(bad_share, 4),

@@ -121,11 +121,26 @@ def _complete_whole(base_url: str, model: str, req: Request, max_tokens: int, fi
                       choice.get("finish_reason"), choice.get("matched_stop"))
 
 
+SKIPPED = "skipped: it would not have finished within the time budget"
+
+
 def generate(base_url: str, model: str, requests: list[Request], max_tokens: int, concurrency: int,
-             fields: list[dict], on_done=None) -> list[Completion]:
-    """All requests, `concurrency` in flight, each with its own sampling fields; completions in request order."""
+             fields: list[dict], on_done=None, deadline: float | None = None) -> list[Completion]:
+    """All requests, `concurrency` in flight, each with its own sampling fields; completions in request order.
+    `deadline` (time.monotonic()): a request whose typical latency so far would take it past the deadline is not
+    sent (error SKIPPED); the first `concurrency` always are, so that there is a latency to go by."""
+    latencies: list[float] = []
+
+    def one(r: Request, f: dict) -> Completion:
+        start = time.monotonic()
+        if deadline is not None and latencies and start + sorted(latencies)[len(latencies) // 2] > deadline:
+            return Completion(r.id, "", None, None, error=SKIPPED)
+        c = _complete_whole(base_url, model, r, max_tokens, f)
+        latencies.append(time.monotonic() - start)
+        return c
+
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(_complete_whole, base_url, model, r, max_tokens, f) for r, f in zip(requests, fields)]
+        futures = [pool.submit(one, r, f) for r, f in zip(requests, fields)]
         out = []
         for f in futures:
             out.append(f.result())
