@@ -198,23 +198,18 @@ class EngineServer:
     def stop(self, grace_s: float = 30.0) -> None:
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(pgid):
-                if self.proc.poll() is None:
-                    try:
-                        self.proc.wait(timeout=0.2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                else:
-                    time.sleep(0.2)
-            if not _group_alive(pgid):
-                break
+        proc = self.proc
+
+        def reap_or_sleep():  # the leader is our child: reap it as it exits, or its zombie keeps the group
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(0.2)
+        # start_new_session: the server leads its own group
+        _end_group(proc.pid, ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)), reap_or_sleep)
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self.proc = None
@@ -234,14 +229,7 @@ def watch(pgid: int) -> None:
     import ctypes
 
     def stop(*_):
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end and _group_alive(pgid):
-                time.sleep(0.2)
+        _end_group(pgid, ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)), lambda: time.sleep(0.2))
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -266,6 +254,20 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _end_group(pgid: int, steps, pause) -> None:
+    """Each (signal, seconds) in turn to the process group, waiting (calling `pause`) until it is gone."""
+    for sig, wait in steps:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        end = time.monotonic() + wait
+        while time.monotonic() < end and _group_alive(pgid):
+            pause()
+        if not _group_alive(pgid):
+            return
 
 
 def _group_alive(pgid: int) -> bool:
