@@ -7,6 +7,7 @@ Each vLLM start costs ~2 minutes on 2 cores; this file starts four."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -101,6 +102,20 @@ def test_vllm_acceptance_is_consistent_with_offline_and_the_check_passes(bench):
     check = _checks(res)["acceptance_matches_offline"]
     assert check.passed, check.description
     assert check.metadata["ratio"].value == pytest.approx(engine / offline, rel=1e-3)
+
+
+def test_on_a_small_host_vllm_computes_on_every_core(bench):
+    """vLLM's CPU build keeps a core for its scheduler by default, which on 2 cores halves its speed: on a host of
+    at most 4 CPUs both servers of the benchmark bind their compute threads to every core the host gives us."""
+    graph, _ = bench
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 4:
+        pytest.skip(f"{len(cpus)} CPUs: vLLM's own default stands")
+    logs = sorted(Path(graph.latest("serving_benchmark", "vllm")["path"]).glob("server-*.log"))
+    assert len(logs) == 2  # EAGLE-3 and baseline
+    for log in logs:
+        bound = re.search(r"core ids=\[([\d, ]+)\]", log.read_text())
+        assert bound and sorted(int(c) for c in bound.group(1).split(",")) == cpus, (log.name, bound)
 
 
 def test_every_measurement_is_a_row_of_the_history(bench):

