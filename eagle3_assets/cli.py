@@ -14,6 +14,7 @@ from pathlib import Path
 from .common.engines import DEFAULT, NAMES
 
 QUIET_LOGGERS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+EMBEDDED_DEADLINE_S = 870.0  # the preset's 15 minutes on 2 cores, less half a minute of margin
 
 
 def _instance():
@@ -59,6 +60,7 @@ def materialize(args) -> int:
         run_config = embedded_preset()
         print("==> no --config: using the embedded-default preset embedded_cpu.yaml (15 minutes on 2 cores; each "
               "stage picks bfloat16 or float32 from the host's CPU and logs which)", flush=True)
+    deadline = args.deadline if args.deadline is not None else (None if args.config else EMBEDDED_DEADLINE_S)
     t0, started = time.monotonic(), time.time()
 
     def run(job: str, assets: list[str], partition: str | None = None, label: str = "") -> bool:
@@ -79,6 +81,8 @@ def materialize(args) -> int:
     for i, key in enumerate(keys, 1):
         if not run("extract_hidden_states", ["hidden_state_shards"], key, f"hidden_state_shards {key} ({i}/{len(keys)})"):
             return 1
+    if deadline is not None:
+        _fit_training(instance, run_config, deadline, time.monotonic() - t0)
     if not run("train_drafter", TRAIN_DRAFTER):
         return 1
     export = instance.get_latest_materialization_event(dg.AssetKey("drafter_export"))
@@ -87,9 +91,25 @@ def materialize(args) -> int:
               flush=True)
     if not run("benchmark_serving", ["serving_benchmark"], DEFAULT, f"serving_benchmark {DEFAULT}"):
         return 1
-    print(f"==> done in {time.monotonic() - t0:.0f} s: {len(keys)} shards; open the UI with "
-          "`dagster dev -w workspace.yaml`", flush=True)
+    took = time.monotonic() - t0
+    print(f"==> done in {took:.0f} s" + (f" (deadline {deadline:.0f} s{', passed' if took > deadline else ''})"
+                                         if deadline is not None else "")
+          + f": {len(keys)} shards; open the UI with `dagster dev -w workspace.yaml`", flush=True)
     return 0
+
+
+def _fit_training(instance, run_config: dict, deadline: float, elapsed: float) -> None:
+    """Set the drafter's training time budget so that the command ends by the deadline (deadline.py)."""
+    import dagster as dg
+
+    from .deadline import training_budget
+
+    conv = instance.get_latest_materialization_event(dg.AssetKey("conversations"))
+    ready = conv.asset_materialization.metadata.get("server_ready_s") if conv is not None else None
+    cfg = run_config.setdefault("ops", {}).setdefault("eagle3_drafter", {}).setdefault("config", {})
+    budget, why = training_budget(deadline, elapsed, cfg.get("time_budget_s"), ready.value if ready else None)
+    cfg["time_budget_s"] = budget
+    print(f"==> training time budget {budget:g} s: {why}", flush=True)
 
 
 def _per_position(stored: str | None) -> str:
@@ -139,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
     m.add_argument("--config", help="run config YAML: {ops: {<asset>: {config: {...}}}}, as in the UI launchpad")
+    m.add_argument("--deadline", type=float, metavar="SECONDS",
+                   help="end the whole command within this: training's time budget shrinks to what is left after "
+                        f"an estimate of the stages that follow it (default with no --config: {EMBEDDED_DEADLINE_S:.0f})")
     lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")
     lin.add_argument("--engine", choices=list(NAMES))
     lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")

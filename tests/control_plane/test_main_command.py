@@ -16,6 +16,7 @@ import requests
 
 pytestmark = pytest.mark.slow  # the whole main command, vLLM included
 ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 3600
 TINY_YAML = """
 ops:
   prompts: {config: {max_train_conversations: 4}}
@@ -39,10 +40,12 @@ def home(tmp_path_factory):
     env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_NO_BAR": "1"}
     env.pop("EAGLE3_HOST_WORKDIR", None)
     cli = Path(sys.executable).with_name("eagle3-assets")
-    done = subprocess.run([str(cli), "materialize", "--config", str(cfg)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    # with a deadline, as the command without --config runs: training's budget is set from what is left
+    done = subprocess.run([str(cli), "materialize", "--config", str(cfg), "--deadline", str(DEADLINE_S)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "==> done" in done.stdout
+    assert "==> done" in done.stdout and f"(deadline {DEADLINE_S} s)" in done.stdout
+    assert "==> training time budget" in done.stdout
     return home
 
 
@@ -69,6 +72,11 @@ def test_main_command_materializes_everything_into_dagster_home(home):
         acc = inst.get_latest_materialization_event(dg.AssetKey("offline_acceptance")).asset_materialization
         assert acc.tags["dagster/input_data_version/eagle3_drafter"] == dv["dagster/data_version"]
         assert acc.metadata["output_matches_target_greedy"].value is True
+        # the deadline reached the train stage: a budget under the time the command had left
+        trained = inst.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.metadata
+        assert 0 < trained["time_budget_s"].value < DEADLINE_S
+        conv = inst.get_latest_materialization_event(dg.AssetKey("conversations")).asset_materialization.metadata
+        assert conv["server_ready_s"].value > 0  # the yardstick the deadline sized training by
         # ... and so does the engine benchmark, through the export
         bench = inst.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].event_log_entry
         assert bench.asset_materialization.partition == "vllm"

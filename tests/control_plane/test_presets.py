@@ -28,6 +28,8 @@ def test_the_default_cuts_the_work_and_gives_training_a_time_budget():
     assert ops(small, "prompts")["max_train_conversations"] < ops(full, "prompts")["max_train_conversations"]
     assert ops(small, "conversations")["max_new_tokens"] < ops(full, "conversations")["max_new_tokens"]
     assert ops(small, "eagle3_drafter")["time_budget_s"] > 0 and "time_budget_s" not in ops(full, "eagle3_drafter")
+    # regeneration too is sized by time on a slow CPU; the full recipe regenerates every prompt
+    assert ops(small, "conversations")["time_budget_s"] > 0 and "time_budget_s" not in ops(full, "conversations")
     assert ops(small, "offline_acceptance")["limit"] == ops(small, "serving_benchmark")["limit"]  # the same prompts
     # the recipe's choices that the cut does not name stay the full recipe's
     cut = {"time_budget_s", "lr", "rows_per_batch"}

@@ -156,7 +156,8 @@ def server_backend(engine_name: str):
                 prog.update(0, tokens=sum(len(c.ids) for c in out if c))
                 return out
 
-            complete.launch = {"language_model_only": text_only}  # how the engine was launched: for the metadata
+            # how the engine was launched, and how long it took to start (the main command's deadline reads it)
+            complete.launch = {"language_model_only": text_only, "server_ready_s": round(ready, 1)}
             yield complete
 
     return backend

@@ -1,0 +1,38 @@
+"""The main command's deadline: how long training may run so that the stages after it still fit.
+
+Training is the one stage whose length is a free choice (its `time_budget_s`); everything after it (the train
+stage's own set-up, export, offline acceptance, the serving benchmark with its two server starts) is a fixed
+amount of work whose time depends on the machine. The yardstick for the machine is the regeneration server's
+start, measured earlier in the same command (`conversations` metadata `server_ready_s`): Python imports and
+model loading, as much of the later work is. Fitted on two 2-core AMD EPYCs: AVX2-only (float32), where that
+work took 326 s after a 64 s start and 333 s after a 57 s one, and AVX512-BF16 (bf16), about 215 s after a
+27 s start: a fixed part and a part that grows with the start."""
+
+from __future__ import annotations
+
+AFTER_TRAINING_FIXED_S = 120.0
+AFTER_TRAINING_PER_SERVER_START = 3.5
+FALLBACK_SHARE = 0.3  # of the deadline, kept for the work after training when no server start was measured
+MIN_TRAINING_S = 60.0  # below this a drafter is not worth serving: run late rather than train it for nothing
+
+
+def training_budget(deadline_s: float, elapsed_s: float, configured_s: float | None,
+                    server_ready_s: float | None) -> tuple[float, str]:
+    """(seconds of training, the reason in a sentence): the configured budget, or less where the deadline
+    would otherwise pass; never under MIN_TRAINING_S."""
+    if server_ready_s:
+        reserve = AFTER_TRAINING_FIXED_S + AFTER_TRAINING_PER_SERVER_START * server_ready_s
+        why = (f"{reserve:.0f} s kept for what follows training ({AFTER_TRAINING_FIXED_S:g} s + "
+               f"{AFTER_TRAINING_PER_SERVER_START:g}x the {server_ready_s:.0f} s the regeneration server took to start)")
+    else:
+        reserve = FALLBACK_SHARE * deadline_s
+        why = f"{reserve:.0f} s kept for what follows training ({FALLBACK_SHARE:.0%} of the deadline: no server start measured)"
+    left = deadline_s - elapsed_s - reserve
+    budget = left if configured_s is None else min(float(configured_s), left)
+    head = f"{elapsed_s:.0f} s of the {deadline_s:.0f} s deadline gone, {why}"
+    if budget < MIN_TRAINING_S:
+        return MIN_TRAINING_S, f"{head}: the deadline cannot be kept; training gets the minimum {MIN_TRAINING_S:.0f} s"
+    if configured_s is not None and budget >= float(configured_s):
+        return float(configured_s), f"{head}: the configured {float(configured_s):g} s fit"
+    return round(budget), f"{head}: {round(budget)} s" + (f" of the configured {float(configured_s):g} s"
+                                                          if configured_s is not None else "")
