@@ -75,8 +75,6 @@ def test_main_command_materializes_everything_into_dagster_home(home):
         # the deadline reached the train stage: a budget under the time the command had left
         trained = inst.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.metadata
         assert 0 < trained["time_budget_s"].value < DEADLINE_S
-        conv = inst.get_latest_materialization_event(dg.AssetKey("conversations")).asset_materialization.metadata
-        assert conv["server_ready_s"].value > 0  # the yardstick the deadline sized training by
         # ... and so does the engine benchmark, through the export
         bench = inst.fetch_materializations(dg.AssetKey("serving_benchmark"), limit=1).records[0].event_log_entry
         assert bench.asset_materialization.partition == "vllm"
