@@ -14,6 +14,7 @@ import dagster as dg
 
 from eagle3_assets.hosts import LocalGpuHost
 from eagle3_assets.hosts.base import StageRun, stage_outcome
+from eagle3_assets.hosts.file_messages import TempFileMessages
 
 
 class InProcessGpuHost(LocalGpuHost):
@@ -25,7 +26,7 @@ class InProcessGpuHost(LocalGpuHost):
 
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=dg.PipesTempFileMessageReader(),
+                                   message_reader=TempFileMessages(),
                                    extras={"stage": stage}) as session:
             env = {**self.env, **session.get_bootstrap_env_vars(), "EAGLE3_NO_BAR": "1"}
             saved, deterministic = {k: os.environ.get(k) for k in env}, torch.are_deterministic_algorithms_enabled()

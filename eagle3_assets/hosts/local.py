@@ -17,12 +17,7 @@ from pydantic import Field
 from ..common.worker_env import PARENT_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
-
-
-class _TempFileMessages(dg.PipesTempFileMessageReader):
-    @property
-    def expected_writer_count(self) -> int:  # one worker writes (rank 0 relays data-parallel ranks)
-        return 1
+from .file_messages import TempFileMessages
 
 
 class LocalGpuHost(GpuHost):
@@ -37,7 +32,7 @@ class LocalGpuHost(GpuHost):
             self.check(context, gpus=True)
         cmd = self.worker_command(self.python, stage, args)
         with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=_TempFileMessages(),
+                                   message_reader=TempFileMessages(),
                                    extras={"stage": stage}) as session:
             # The worker stops itself if this process dies (kill -9 included): a retry never runs beside it.
             env = {**os.environ, **self.env, **session.get_bootstrap_env_vars(), PARENT_ENV: str(os.getpid())}
