@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -33,6 +33,10 @@ class ServeBenchSettings(EngineLaunch):
     env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
     ready_timeout_s: float = Field(default=1200.0, gt=0, description="fail if the server is not healthy by then")
     baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
+    start_servers: Literal["auto", "together", "one_at_a_time"] = Field(
+        default="auto", description="together: every server the benchmark needs starts at once, then each is "
+                                    "measured while the others idle (on a CPU a start is mostly imports, a core "
+                                    "each); auto: together on a host without GPUs whose free memory holds them all")
     seed: int = 0
 
 

@@ -97,6 +97,25 @@ def test_vllm_command_line_is_vllm_serve_with_an_eagle3_speculative_config():
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": "/exports/vllm", "num_speculative_tokens": 3}
     assert argv[-1] == "--enforce-eager"
+    # on a host without GPUs the model runs in the engine core's process, unless the user asks for parallelism
+    assert ("uni" in argv) == vllm.ONE_PROCESS == ("VLLM_ENABLE_V1_MULTIPROCESSING" in vllm.SERVER_ENV)
+    parallel = vllm.server_command("/venv/bin/python", "/models/t", 8001, drafter=None, k=3, dtype="bfloat16",
+                                   max_model_len=4096, seed=0, extra=["--tensor-parallel-size=2"])
+    assert "uni" not in parallel and "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm.EXTRACT_ENV
+
+
+def test_the_benchmarks_servers_start_together_only_on_a_cpu_host_with_the_memory_for_all(tmp_path):
+    from eagle3_assets.worker.serving.bench import start_together
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
+    small = {"VLLM_CPU_KVCACHE_SPACE": "0.01"}
+    assert start_together("auto", 2, tmp_path, small, "cpu")[0]
+    assert not start_together("auto", 2, tmp_path, small, "cuda")[0]  # each takes most of a GPU's memory
+    assert not start_together("auto", 1, tmp_path, small, "cpu")[0]
+    assert not start_together("one_at_a_time", 2, tmp_path, small, "cpu")[0]
+    assert start_together("together", 2, tmp_path, small, "cuda")[0]
+    huge, why = start_together("auto", 2, tmp_path, {"VLLM_CPU_KVCACHE_SPACE": str(2**20)}, "cpu")  # 1 PiB each
+    assert not huge and "GiB is available" in why
 
 
 def test_sglang_missing_on_the_host_is_a_clear_error_in_seconds(built, tmp_path):

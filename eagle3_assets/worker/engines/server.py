@@ -103,10 +103,14 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
     return info
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: list[int] | tuple[int, ...] = ()) -> int:
+    """A port free now on 127.0.0.1, other than those in `taken` (given to servers not started yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def log_tail(path: Path, nbytes: int = 3000) -> str:
@@ -173,10 +177,11 @@ class EngineServer:
         finally:
             conn.close()
 
-    def wait_ready(self, timeout_s: float, reporter=None) -> float:
-        """Seconds until the health route answered 200; a StageError with the log's tail if the server dies
-        or is not ready in time (the server is stopped by __exit__ either way)."""
-        t0 = time.monotonic()
+    def wait_ready(self, timeout_s: float, reporter=None, since: float | None = None) -> float:
+        """Seconds until the health route answered 200, counted from `since` (a time.monotonic() when the server
+        was started; default: now); a StageError with the log's tail if the server dies or is not ready in time
+        (the server is stopped by __exit__ either way)."""
+        t0 = time.monotonic() if since is None else since
         next_note = t0 + 30
         while True:
             if (why := self.died()) is not None:

@@ -63,7 +63,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
     text_only = vllm.text_only(target, info, args.language_model_only)
     if text_only and "--language-model-only" not in argv:
         argv.append("--language-model-only")  # a multimodal wrapper (Kimi-K2.5): text in, no vision tower loaded
-    env = {**vllm.SERVER_ENV, **run.env}  # the engine imports our connector by module path (PYTHONPATH)
+    env = {**vllm.EXTRACT_ENV, **run.env}  # the engine imports our connector by module path (PYTHONPATH)
     reporter.log(f"vllm {info['version']} extracts for {info['architecture']} ({info.get('model_class', '?')}); "
                  f"capture ids {ids} (vLLM numbering) for aux layers {aux_layers} + final, TP={tp} DP={dp}")
     log = tmp.parent / ".logs" / f"vllm-{tmp.name.removeprefix('.tmp-')}.log"
