@@ -20,3 +20,9 @@ def ssh_extract_job() -> dg.JobDefinition:
                               executor_def=dg.in_process_executor)
     defs = dg.Definitions(assets=all_assets, jobs=[job], resources={"gpu_host": ssh_host_from_env()})
     return defs.resolve_job_def("ssh_extract")
+
+
+def ssh_target_job() -> dg.JobDefinition:
+    job = dg.define_asset_job("ssh_target", selection=["target_model"], executor_def=dg.in_process_executor)
+    defs = dg.Definitions(assets=all_assets, jobs=[job], resources={"gpu_host": ssh_host_from_env()})
+    return defs.resolve_job_def("ssh_target")

@@ -23,6 +23,7 @@ import dagster as dg
 from pydantic import Field
 
 from ..common.worker_env import NO_BAR_ENV
+from ..stages import contract
 from . import inputs, preflight
 from .base import GpuHost, StageRun, describe_exit, stage_outcome
 from .ssh_connection import Connection, EnvNameError, RemoteCommandError, SshError, SshTarget, is_link_error
@@ -200,8 +201,10 @@ class SshGpuHost(GpuHost):
                                  "--args", json.dumps(args)],
                         "env": env, "cwd": workdir, "stage": stage,
                         "attach_key": context.run.root_run_id or context.run_id,
-                        # a finished job is reused only for the inputs it was made from
-                        "inputs": inputs.digest(inputs.input_versions(context))}
+                        # a finished job is reused only for the inputs it was made from, and the host files it
+                        # read as they were (the worker's jobs module fingerprints them there)
+                        "inputs": inputs.digest(inputs.input_versions(context)),
+                        "sources": [args[a] for a in contract(stage).host_sources if args.get(a)]}
                 try:
                     launched = self._launch(conn, rundir, spec, info["code_dir"])
                 except Exception as e:  # launching again is safe: a job that did start is attached to

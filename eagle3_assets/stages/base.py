@@ -84,3 +84,6 @@ class Contract:
     args: type[Args]
     metadata: type[Result] | None = None  # what its materialization's metadata must carry
     result: type[Result] | None = None  # what its small JSON answer must carry
+    # arguments naming files on the host that no upstream asset versions (a target directory given by path): a
+    # finished job on the host is reused only while they are as they were when it started (worker/jobs.py)
+    host_sources: tuple[str, ...] = ()

@@ -24,4 +24,4 @@ class PrepareTargetResult(Result):
     hidden_size: int
 
 
-CONTRACT = Contract(PrepareTargetArgs, metadata=PrepareTargetResult)
+CONTRACT = Contract(PrepareTargetArgs, metadata=PrepareTargetResult, host_sources=("path",))

@@ -22,6 +22,31 @@ def _path(rundir: str, name: str) -> str:
     return os.path.join(rundir, name)
 
 
+def sources_fingerprint(paths: list[str], cwd: str | None) -> str | None:
+    """What the host files a job reads without an upstream version look like now: every file's path, size and
+    modification time under each path (a directory is walked, hidden files aside: the stages keep their weight
+    hashes there as `.NAME.sha256.json`). None when the job names none."""
+    if not paths:
+        return None
+    import hashlib
+
+    seen = []
+    for p in paths:
+        root = os.path.join(cwd or "", os.path.expanduser(p))
+        if os.path.isdir(root):
+            for d, dirs, files in os.walk(root):
+                dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+                for name in sorted(x for x in files if not x.startswith(".")):  # not our hash sidecars
+                    st = os.stat(os.path.join(d, name))
+                    seen.append([os.path.relpath(os.path.join(d, name), root), st.st_size, st.st_mtime_ns])
+        elif os.path.exists(root):
+            st = os.stat(root)
+            seen.append([p, st.st_size, st.st_mtime_ns])
+        else:
+            seen.append([p, "missing"])
+    return hashlib.sha256(json.dumps(seen).encode()).hexdigest()[:16]
+
+
 def _read_json(path: str):
     try:
         with open(path) as f:
@@ -77,13 +102,16 @@ def status(rundir: str) -> dict:
 def launch(rundir: str, spec_file: str) -> dict:
     """Start the job described by `spec_file` in `rundir`, unless that job is already there: a running
     job (this run's or a retry's) is attached to, never started twice, and refused if it reads other
-    inputs; a finished one is reused only if it succeeded, for the same attach key and the same inputs.
+    inputs; a finished one is reused only if it succeeded, for the same attach key, the same inputs and the
+    host sources it names (`sources`: a target directory given by path) unchanged since it started.
     Any other earlier attempt is kept as RUNDIR.attempt-N."""
     with open(spec_file) as f:
         spec = json.load(f)
     current = status(rundir)
     old_spec = _read_json(_path(rundir, SPEC)) or {}
     same_inputs = old_spec.get("inputs") == spec.get("inputs")
+    spec["sources_fingerprint"] = sources_fingerprint(spec.get("sources") or [], spec.get("cwd"))
+    same_sources = old_spec.get("sources_fingerprint") == spec["sources_fingerprint"]
     if current["state"] in ("running", "starting") and not same_inputs and "inputs" in old_spec:
         os.remove(spec_file)
         return {"action": "refused", **current,
@@ -91,7 +119,7 @@ def launch(rundir: str, spec_file: str) -> dict:
                           "changed since it started; a second one would write the same files. Wait for it to end, "
                           f"or stop it (python -m eagle3_assets.worker.jobs stop '{rundir}'), then run again"}
     if current["state"] in ("running", "starting") or (
-            current["state"] == "exited" and current.get("returncode") == 0 and same_inputs
+            current["state"] == "exited" and current.get("returncode") == 0 and same_inputs and same_sources
             and old_spec.get("attach_key") == spec.get("attach_key")):
         os.remove(spec_file)
         return {"action": "attached", **current}
@@ -101,6 +129,8 @@ def launch(rundir: str, spec_file: str) -> dict:
             n += 1
         os.rename(rundir, f"{rundir}.attempt-{n}")
     os.makedirs(rundir)
+    with open(spec_file, "w") as f:  # with the sources' fingerprint as they are now, at the start
+        json.dump(spec, f)
     os.replace(spec_file, _path(rundir, SPEC))
     pid = os.fork()
     if pid == 0:  # the supervisor: new session, stdio off the SSH channel

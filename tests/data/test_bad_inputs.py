@@ -102,3 +102,33 @@ def test_killed_extraction_leaves_no_shard_that_looks_complete(built, tmp_path):
     manifest = json.loads((hs / "shard-00000" / "manifest.json").read_text())
     assert manifest["samples"] == n and manifest["tokens"] == n * length
     assert [p.name for p in hs.iterdir()] == ["shard-00000"]
+
+
+def test_engine_parallelism_the_target_or_host_cannot_take_is_refused_before_the_engine_starts(built, tmp_path):
+    """TP x DP beyond the host's GPUs, or a TP that does not divide the target's heads: vLLM would load for
+    minutes, then fail. The stage refuses at once, naming the settings, the heads and the GPUs."""
+    from eagle3_assets.worker.engines.dump import check_parallel
+    from eagle3_assets.worker.errors import StageError
+
+    key = built.instance.get_dynamic_partitions("hidden_state_shards")[0]
+    res = built.materialize("hidden_state_shards", partition=key, raise_on_error=False, config={
+        "hidden_state_shards": {"config": {"backend": "vllm", "tensor_parallel_size": 4}}})
+    assert not res.success
+    msg = failure_text(res)  # the embedded SmolLM2 has 9 heads, 3 KV heads
+    assert "tensor_parallel_size 4 does not divide the target's 9 attention heads" in msg and "[1, 3, 9]" in msg, msg
+    assert "died while starting" not in msg
+
+    def refused(cfg: dict, tp: int, dp: int, gpus: int) -> str:
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        try:
+            check_parallel(tmp_path, tp, dp, gpus, "vLLM")
+        except StageError as e:
+            return str(e)
+        return ""
+
+    llama = {"num_attention_heads": 32, "num_key_value_heads": 8}
+    assert "= 8 GPUs, and this host has 4" in refused(llama, 4, 2, 4)
+    assert not refused(llama, 4, 2, 8) and not refused(llama, 8, 1, 0)  # a CPU host: the engine places its ranks
+    assert "8 KV heads" in refused({"num_attention_heads": 48, "num_key_value_heads": 8}, 3, 1, 8)
+    kimi = {"text_config": {"num_attention_heads": 64, "num_key_value_heads": 64, "kv_lora_rank": 512}}
+    assert not refused(kimi, 8, 1, 8) and "host has 8" in refused(kimi, 8, 2, 8)

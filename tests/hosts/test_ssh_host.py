@@ -165,6 +165,49 @@ def test_dead_control_plane_then_retry_reattaches(built, sshd):
     assert ev.run_id == retry.run_id and ev.asset_materialization.partition == "00001"
 
 
+def test_a_reexecution_after_the_targets_weights_changed_runs_the_stage_again(sshd, tmp_path):
+    """target_model has no upstream asset: the weights on the host are its input. Re-executing its run reuses the
+    finished job while they are unchanged, and runs the stage again (a new data version) once they are replaced."""
+    import safetensors.torch as st
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ssh_jobs
+    from tiny_targets import smollm2_tokenizer
+
+    target = tmp_path / "tiny"
+    tok = smollm2_tokenizer()
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(target)
+    tok.save_pretrained(target)
+    os.environ.update({"T_SSH_PORT": str(sshd.port), "T_SSH_USER": sshd.user, "T_SSH_KEY": str(sshd.client_key),
+                       "T_SSH_KNOWN_HOSTS": str(sshd.known_hosts), "T_SSH_PYTHON": sys.executable,
+                       "T_SSH_WORKDIR": str(tmp_path / "host")})
+    job = dg.reconstructable(ssh_jobs.ssh_target_job)
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        def run(parent=None) -> tuple[str, list[str]]:
+            res = dg.execute_job(job, instance, run_config={"ops": {"target_model": {"config": {"path": str(target)}}}},
+                                 reexecution_options=dg.ReexecutionOptions(parent, step_selection=["target_model"])
+                                 if parent else None)
+            assert res.success
+            ev = instance.get_latest_materialization_event(dg.AssetKey("target_model"))
+            return ev.asset_materialization.tags["dagster/data_version"], step_log_messages(instance, res.run_id)
+
+        first_version, first_log = run()
+        assert any("started the job" in m for m in first_log)
+        first_id = _latest_run(instance, "ssh_target").run_id
+        same, log = run(first_id)
+        assert same == first_version and any("attached to the job an earlier attempt started" in m for m in log), \
+            log
+        weights = target / "model.safetensors"
+        tensors = st.load_file(weights)
+        tensors[min(tensors)].view(-1)[0] += 1.0
+        st.save_file(tensors, weights, metadata={"format": "pt"})
+        changed, log = run(first_id)
+        assert any("started the job" in m for m in log), log
+        assert changed != first_version
+
+
 def test_cancelled_run_stops_the_remote_job(built, sshd):
     """Interrupting the run (what `dagster run terminate` does to the run worker) ends the job's process
     group on the host, with the stop recorded."""

@@ -41,12 +41,49 @@ def engine_run(engine, target: Path, aux_layers: list[int], num_layers: int, arg
     from .server import check_support
 
     python = args.engine_python or sys.executable
+    env = {str(k): str(v) for k, v in (args.env or {}).items()}
+    check_parallel(target, int(args.tensor_parallel_size), int(args.data_parallel_size), visible_gpus(env),
+                   engine.TITLE)
     info = check_support(engine, python, target, probe=engine.EXTRACT_PROBE, purpose="extract hidden states")
     ids, cols, final = engine.capture_layers(aux_layers, num_layers)
-    env = {str(k): str(v) for k, v in (args.env or {}).items()}
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     return EngineRun(python, info, ids, cols, final, int(args.tensor_parallel_size),
                      int(args.data_parallel_size), env)
+
+
+def visible_gpus(env: dict) -> int:
+    """The GPUs the engine will see: CUDA_VISIBLE_DEVICES from its environment (the stage's `env`, else the
+    worker's), else every GPU torch finds on the host."""
+    listed = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if listed is not None:
+        return len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"])
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_parallel(target: Path, tp: int, dp: int, gpus: int, title: str) -> None:
+    """Refuse, before an engine spends minutes starting, what it would refuse after: more GPUs than the host
+    has (TP x DP; a host without GPUs is not checked: the engine's CPU build places its ranks itself), and a
+    TP that does not divide the target's attention heads, or its KV heads (the engines shard both by TP)."""
+    cfg = json.loads((target / "config.json").read_text())
+    tc = cfg.get("text_config") or cfg  # a wrapper's (Kimi's) text model
+    problems = []
+    if gpus and tp * dp > gpus:
+        problems.append(f"tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp} GPUs, and this host "
+                        f"has {gpus}")
+    heads = tc.get("num_attention_heads")
+    if heads and heads % tp:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0 and (not gpus or d * dp <= gpus)]
+        problems.append(f"tensor_parallel_size {tp} does not divide the target's {heads} attention heads "
+                        f"({title} would start, then fail: 'Total number of attention heads ({heads}) must be "
+                        f"divisible by tensor parallel size ({tp})'); sizes that fit: {fits}")
+    kv = tc.get("num_key_value_heads")
+    if kv and not tc.get("kv_lora_rank") and (kv % tp if tp <= kv else tp % kv):  # MLA keeps one latent KV
+        problems.append(f"tensor_parallel_size {tp} and the target's {kv} KV heads: one must divide the other")
+    if problems:
+        raise StageError(f"{title} cannot extract with these settings: " + "; ".join(problems)
+                         + ". Set tensor_parallel_size (and data_parallel_size) to fit the target and the host")
 
 
 def parts_file(dp_rank: int) -> str:
