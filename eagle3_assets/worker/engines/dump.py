@@ -76,8 +76,8 @@ def check_parallel(target: Path, tp: int, dp: int, gpus: int, title: str) -> Non
     if heads and heads % tp:
         fits = [d for d in range(1, heads + 1) if heads % d == 0 and (not gpus or d * dp <= gpus)]
         problems.append(f"tensor_parallel_size {tp} does not divide the target's {heads} attention heads "
-                        f"({title} would start, then fail: 'Total number of attention heads ({heads}) must be "
-                        f"divisible by tensor parallel size ({tp})'); sizes that fit: {fits}")
+                        f"({title} would load the target, then refuse it: it splits the heads evenly over TP "
+                        f"ranks); sizes that fit: {fits}")
     kv = tc.get("num_key_value_heads")
     if kv and not tc.get("kv_lora_rank") and (kv % tp if tp <= kv else tp % kv):  # MLA keeps one latent KV
         problems.append(f"tensor_parallel_size {tp} and the target's {kv} KV heads: one must divide the other")
