@@ -32,8 +32,9 @@ def _gpu_host() -> bool:
 # by server_command, which takes VLLM_ENABLE_V1_MULTIPROCESSING=0) on every core (OMP_NUM_THREADS: without it
 # vLLM drops to one thread there). vLLM's CPU build otherwise spawns a worker process that imports torch and vLLM
 # once more. Measured on a 2-core AVX2-only EPYC, float32, SmolLM2-135M, EAGLE-3 drafter, against the default:
-# ready in 55 s instead of 65-70, one request 12.1 tokens/s with EAGLE-3 (9.4) and 13.7 without (11.9), batches
-# of 64 137 tokens/s (130), the same acceptance.
+# ready in 55-60 s instead of 64-70, the same acceptance, and tokens/s within run-to-run noise (bench/
+# vllm_cpu_servers.py, two runs: EAGLE-3 at one request 12.1 and 9.7 tokens/s against 9.4 and 9.3, batches of
+# 64 137 and 130 against 130 and 137).
 ONE_PROCESS = not _gpu_host()
 _PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
                    "--distributed-executor-backend")
