@@ -11,7 +11,9 @@ from .assets import all_assets
 from .assets.partitions import shard_partitions
 from .assets.serving import engine_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
-from .hosts import GpuHost, LocalGpuHost, SshGpuHost
+from .failover import build_failover_sensor, extract_on_host_job
+from .hosts import HOST_TAG, GpuHost, HostPool, LocalGpuHost, SshGpuHost
+from .hosts.pool import HOSTS_ENV, home_host, host_names
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
@@ -34,7 +36,11 @@ SSH_FLAGS = {"REQUIRE_GPUS": "require_gpus", "ACCEPT_UNKNOWN_HOST_KEY": "accept_
 
 
 def gpu_host_from_env() -> GpuHost:
-    """The SSH host when EAGLE3_SSH_HOST is set (EAGLE3_SSH_WORKDIR too), else this machine."""
+    """A pool of hosts when EAGLE3_HOSTS names their YAML file; the SSH host when EAGLE3_SSH_HOST is set
+    (EAGLE3_SSH_WORKDIR too); else this machine."""
+    if os.environ.get(HOSTS_ENV):
+        host_names(os.environ[HOSTS_ENV])  # a bad file fails the code location's load, naming what is wrong
+        return HostPool(hosts_file=os.environ[HOSTS_ENV])
     if not os.environ.get("EAGLE3_SSH_HOST"):
         return LocalGpuHost(workdir=default_host_workdir())
     if not os.environ.get("EAGLE3_SSH_WORKDIR"):
@@ -47,30 +53,40 @@ def gpu_host_from_env() -> GpuHost:
     return SshGpuHost(**fields)
 
 
+gpu_host = gpu_host_from_env()
+# With a pool, every job's runs carry the host they use (the first, where unpartitioned work runs), and each
+# shard's run the host it is spread to: the run queue keeps one run per host (dagster.yaml).
+HOSTS = host_names(gpu_host.hosts_file) if isinstance(gpu_host, HostPool) else []
+ON_PRIMARY = {HOST_TAG: HOSTS[0]} if HOSTS else {}
+shard_config = dg.PartitionedConfig(
+    partitions_def=shard_partitions, run_config_for_partition_key_fn=lambda key: {},
+    tags_for_partition_key_fn=lambda key: {HOST_TAG: home_host(HOSTS, key)} if HOSTS else {})
+
 check_host_job = dg.define_asset_job(
-    "check_host", selection=["host_preflight"],
+    "check_host", selection=["host_preflight"], tags=ON_PRIMARY,
     description="is the GPU host ready: Python and worker deps, worker code, GPUs, free disk for the hidden states")
 prepare_data_job = dg.define_asset_job(
-    "prepare_data", selection=PREPARE_DATA,
+    "prepare_data", selection=PREPARE_DATA, tags=ON_PRIMARY,
     description="target model, prompts, the target's own prompts, regenerated conversations and the draft vocab "
                 "(registers the shards)")
 extract_hidden_states_job = dg.define_asset_job(
-    "extract_hidden_states", selection=["hidden_state_shards"], partitions_def=shard_partitions,
-    description="one hidden-state shard per run; launch a backfill over all partitions for the whole set")
+    "extract_hidden_states", selection=["hidden_state_shards"], partitions_def=shard_partitions, config=shard_config,
+    description="one hidden-state shard per run; launch a backfill over all partitions for the whole set (with a "
+                "pool of hosts, shard i runs on host i mod H: each run's eagle3/host tag)")
 train_drafter_job = dg.define_asset_job(
-    "train_drafter", selection=TRAIN_DRAFTER,
+    "train_drafter", selection=TRAIN_DRAFTER, tags=ON_PRIMARY,
     description="train the drafter on all shards, export it for vLLM and SGLang, measure offline acceptance")
 
 benchmark_serving_job = dg.define_asset_job(
-    "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions,
+    "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions, tags=ON_PRIMARY,
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
 defs = dg.Definitions(
     assets=all_assets,
-    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, train_drafter_job,
+    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, train_drafter_job,
           benchmark_serving_job, rebenchmark_job, regression_report_job],
     schedules=[nightly_rebenchmark],
-    sensors=[benchmark_regression_sensor],
-    resources={"gpu_host": gpu_host_from_env()},
+    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job])],
+    resources={"gpu_host": gpu_host},
 )

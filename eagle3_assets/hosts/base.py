@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +18,23 @@ import dagster as dg
 class StageRun:
     result: dict[str, Any]  # the stage's small JSON answer
     materialization: dg.MaterializeResult | None  # what the stage reported for the asset being built
+    host: str | None = None  # the pool's name of the host it ran on (recorded, so later stages can find its files)
 
     def materialize_result(self, **extra_metadata) -> dg.MaterializeResult:
         m = self.materialization or dg.MaterializeResult()
-        return dg.MaterializeResult(metadata={**(m.metadata or {}), **extra_metadata}, data_version=m.data_version)
+        placed = {"host": self.host} if self.host else {}
+        return dg.MaterializeResult(metadata={**(m.metadata or {}), **placed, **extra_metadata},
+                                    data_version=m.data_version)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A file or directory a stage reads that an upstream asset wrote: the asset (and partition) whose latest
+    materialization made it, and its path on the host that made it (relative to the work directory, or absolute:
+    a target directory). A pool of hosts brings it to the host the stage runs on (hosts/pool.py)."""
+    asset: str
+    path: str
+    partition: str | None = None
 
 
 class GpuHost(dg.ConfigurableResource):
@@ -35,6 +50,18 @@ class GpuHost(dg.ConfigurableResource):
         """Probe the host (Python, worker dependencies and code, GPUs, free disk); a Failure naming every
         problem found, else what the probe saw."""
         raise NotImplementedError
+
+    def bring(self, context, held: list[Held]) -> dict[str, str]:
+        """Make each upstream file a stage reads present on the host this run uses; its path there by the path
+        given. One host holds everything it made: nothing to move."""
+        return {h.path: h.path for h in held}
+
+    @contextmanager
+    def files(self) -> Iterator[tuple[Any, str]]:
+        """An fsspec filesystem onto the host and its absolute work directory, for moving artifacts between
+        hosts (hosts/replicate.py)."""
+        raise NotImplementedError
+        yield
 
     def put_file(self, local_path: str, rel_path: str) -> None:
         raise NotImplementedError

@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,13 @@ class LocalGpuHost(GpuHost):
         if found:
             raise dg.Failure(description="the host is not ready:\n- " + "\n- ".join(found), allow_retries=False)
         return info
+
+    @contextmanager
+    def files(self) -> Iterator[tuple[Any, str]]:
+        from fsspec.implementations.local import LocalFileSystem
+
+        Path(self.workdir).mkdir(parents=True, exist_ok=True)
+        yield LocalFileSystem(), str(Path(self.workdir).resolve())
 
     def put_file(self, local_path: str, rel_path: str) -> None:
         dest = Path(self.workdir) / rel_path

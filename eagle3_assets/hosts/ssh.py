@@ -29,6 +29,7 @@ from .base import GpuHost, StageRun, describe_exit, stage_outcome
 from .ssh_connection import Connection, EnvNameError, RemoteCommandError, SshError, SshTarget, is_link_error
 
 JOBS_MODULE = "eagle3_assets.worker.jobs"
+UNREACHABLE = "host_unreachable"  # step-failure metadata: the host did not answer (not: the stage failed there)
 
 
 class _RemoteMessages(dg.PipesMessageReader):
@@ -92,7 +93,9 @@ class SshGpuHost(GpuHost):
         try:
             return Connection(self._target(), warn)
         except SshError as e:
-            raise dg.Failure(description=str(e), allow_retries=not e.permanent) from None
+            # a host that does not answer is marked so: the failover sensor moves its shard to another host
+            raise dg.Failure(description=str(e), allow_retries=not e.permanent,
+                             metadata={UNREACHABLE: not e.permanent}) from None
 
     @property
     def where(self) -> str:
@@ -224,7 +227,8 @@ class SshGpuHost(GpuHost):
                     ended, log_tail = self._follow(context, conn, rundir, reader.handler, info["code_dir"])
                 except SshError as e:
                     raise dg.Failure(description=f"lost the connection to {self.where}: {e}. The job goes on in "
-                                                 f"{rundir}; retrying this run reattaches to it") from None
+                                                 f"{rundir}; retrying this run reattaches to it",
+                                     metadata={UNREACHABLE: True}) from None
                 except BaseException:  # cancelled (or crashed here): never leave the job running unattended
                     self._stop(context, conn, rundir, info["code_dir"])
                     raise
@@ -295,6 +299,11 @@ class SshGpuHost(GpuHost):
                               f"(python -m {JOBS_MODULE} stop '{rundir}')")
 
     # ---- files ------------------------------------------------------------------------------------------
+    @contextmanager
+    def files(self) -> Iterator[tuple[Any, str]]:
+        with self._connect(lambda m: None) as conn:
+            yield conn.fs, self._abs_workdir(conn)
+
     def put_file(self, local_path: str, rel_path: str) -> None:
         with self._connect(lambda m: None) as conn:
             dest = f"{self._abs_workdir(conn)}/{rel_path}"
