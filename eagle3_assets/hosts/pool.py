@@ -224,7 +224,13 @@ class HostPool(GpuHost):
                 if holder == here.name or self.members()[holder].storage == here.storage:
                     out[item.path] = item.path
                     continue
-                src, dst = fs(holder), fs(here.name)
+                dst = fs(here.name)
+                if not item.path.startswith("/"):  # a copy of this version already here: the holder may be down
+                    copy = held_copy(dst[0], dst[1], item.path)
+                    if copy and copy.get("version") == version:
+                        out[item.path] = item.path
+                        continue
+                src = fs(holder)
                 rel = _relative(item.path, src[1])
                 if rel is None:  # outside the work directory (a target at /models/...): each host has its own
                     _same_files(item, holder, src, here.name, dst)
