@@ -104,6 +104,49 @@ def test_vllm_command_line_is_vllm_serve_with_an_eagle3_speculative_config():
     assert "uni" not in parallel and "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm.EXTRACT_ENV
 
 
+@pytest.mark.skipif(not vllm.ONE_PROCESS, reason="the attention backend is chosen so only on a host without GPUs")
+def test_an_mla_target_vllms_amx_kernels_cannot_run_gets_the_cpu_mla_backend(tmp_path):
+    """vLLM 0.32 picks its AMX MLA kernels on any AMX CPU, and they load only bfloat16 at latent width 576:
+    other MLA targets (the tests' tiny Kimi, any target in float32) get the reference CPU MLA backend."""
+    def command(latent: tuple[int, int] | None, dtype: str, extra=()):
+        model = tmp_path / f"{latent}-{dtype}"
+        model.mkdir(exist_ok=True)
+        mla = {"kv_lora_rank": latent[0], "qk_rope_head_dim": latent[1]} if latent else {}
+        (model / "config.json").write_text(json.dumps({"text_config": {"model_type": "deepseek_v3", **mla}}))
+        argv = vllm.server_command("p", str(model), 1, drafter=None, k=3, dtype=dtype, max_model_len=64, seed=0,
+                                   extra=list(extra))
+        extract = vllm.extract_command("p", str(model), 1, layer_ids=[2], root="r", aux_columns=[0], final_column=1,
+                                       part_bytes=1, io_threads=1, dtype=dtype, max_model_len=64, storage="native",
+                                       tensor_parallel_size=1, data_parallel_size=1, seed=0, extra=list(extra))
+        got = [a[a.index("--attention-backend") + 1] if "--attention-backend" in a else None for a in (argv, extract)]
+        assert got[0] == got[1]
+        return got[0]
+
+    assert command((16, 8), "float32") == "CPU_MLA"
+    assert command((512, 64), "float32") == "CPU_MLA"  # a real Kimi's width, but not in bfloat16
+    assert command((512, 64), "bfloat16") is None  # what the AMX kernels take: vLLM's choice stands
+    assert command(None, "float32") is None  # not MLA
+    assert command((16, 8), "float32", ["--attention-backend", "TORCH_SDPA"]) == "TORCH_SDPA"  # the user's
+
+
+def test_a_servers_failure_names_the_first_error_in_its_log_not_only_its_tail(tmp_path):
+    """vLLM's engine process fails first and its parents then raise their own errors: the root cause is the
+    first exception in the log, far above the tail."""
+    from eagle3_assets.worker.engines.server import EngineServer
+
+    log = tmp_path / "server.log"
+    script = ("import sys; p = lambda s: print(s, flush=True); "
+              "p('(Worker pid=7) ERROR 12-03 07:40:35 [multiproc_executor.py:953] RuntimeError: invalid weight "
+              "input features 16'); [p(f'(EngineCore pid=6) ERROR traceback line {i}') for i in range(400)]; "
+              "p('RuntimeError: Engine core initialization failed. See root cause above.'); sys.exit(1)")
+    with EngineServer("vllm (test)", [sys.executable, "-c", script], 1, log) as server:
+        with pytest.raises(Exception) as e:
+            server.wait_ready(60)
+    assert "exited with status 1; the first error in its log: RuntimeError: invalid weight input features 16" \
+        in str(e.value)
+    assert "Engine core initialization failed" in str(e.value)  # the tail still follows
+
+
 def test_the_benchmarks_servers_start_together_only_on_a_cpu_host_with_the_memory_for_all(tmp_path):
     from eagle3_assets.worker.serving.bench import start_together
 

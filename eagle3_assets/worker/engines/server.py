@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -122,6 +123,30 @@ def log_tail(path: Path, nbytes: int = 3000) -> str:
         return ""
 
 
+_RAISED = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [\d-]+ [\d:]+ \[[^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception): .+)$")
+
+
+def first_error(path: Path) -> str | None:
+    """The first exception a server's log records: the root cause. vLLM's engine process fails first and its
+    parents then raise their own errors ("Engine core initialization failed. See root cause above"), so the
+    log's tail alone can lose the one line a user needs."""
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = _RAISED.match(line.rstrip())
+                if m:
+                    return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
+def _why(path: Path) -> str:
+    cause = first_error(path)
+    return (f"; the first error in its log: {cause}" if cause else "") + \
+        f"; the end of its log ({path}):\n{log_tail(path)}"
+
+
 class EngineServer:
     def __init__(self, name: str, argv: list[str], port: int, log_path: Path, env: dict | None = None,
                  health: str = "/health"):
@@ -164,8 +189,7 @@ class EngineServer:
         except subprocess.TimeoutExpired:
             pass
         if self.proc.poll() is not None:
-            return f"{self.name} exited with status {self.proc.returncode}; the end of its log ({self.log_path}):\n" \
-                   f"{log_tail(self.log_path)}"
+            return f"{self.name} exited with status {self.proc.returncode}{_why(self.log_path)}"
         return None
 
     def get(self, route: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
@@ -193,8 +217,8 @@ class EngineServer:
                 pass
             now = time.monotonic()
             if now - t0 > timeout_s:
-                raise StageError(f"{self.name} was not ready after {timeout_s:g} s (ready_timeout_s); the end of its "
-                                 f"log ({self.log_path}):\n{log_tail(self.log_path)}")
+                raise StageError(f"{self.name} was not ready after {timeout_s:g} s (ready_timeout_s)"
+                                 f"{_why(self.log_path)}")
             if reporter is not None and now >= next_note:
                 next_note = now + 30
                 reporter.log(f"waiting for {self.name} to get ready ({now - t0:.0f} s)")

