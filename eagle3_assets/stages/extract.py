@@ -41,6 +41,9 @@ class ExtractSettings(EngineLaunch):
                                               "and layer (format v2, half of bf16 on disk; drafters trained on it "
                                               "measured within 1 % of bf16 shards' acceptance); native: hidden "
                                               "states in the compute dtype (format v1)")
+    num_processes: int = Field(default=1, ge=1, description="hf: processes that split the shard's samples, one per "
+                               "GPU of the host (torchrun; each writes its own parts of the one shard), or on a "
+                               "CPU host a share of the cores each")
     seed: int = 0
 
 

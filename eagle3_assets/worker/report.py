@@ -36,16 +36,17 @@ class Reporter:
         self._relay = os.environ.get("EAGLE3_REPORT_JSONL") == "1"
         self._quiet = self._relay and os.environ.get("RANK", "0") != "0"
 
-    def _emit(self, **msg) -> bool:
-        if self._quiet:
+    def _emit(self, every_rank: bool = False, **msg) -> bool:
+        if self._quiet and not every_rank:
             return True
         if self._relay:
             print(json.dumps(msg, default=str), flush=True)
             return True
         return False
 
-    def log(self, msg: str, level: str = "info") -> None:
-        if self._emit(kind="log", message=msg, level=level):
+    def log(self, msg: str, level: str = "info", every_rank: bool = False) -> None:
+        """`every_rank`: said by any rank of a launch, not only rank 0 (a rank's own failure)."""
+        if self._emit(every_rank, kind="log", message=msg, level=level):
             return
         if self._pipes is not None:
             getattr(self._pipes.log, level)(msg)

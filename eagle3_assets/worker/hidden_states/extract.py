@@ -32,6 +32,7 @@ from ..files import replace_dir, require_file, resolve
 from ..shards.parts import check_aux_layers, check_storage
 from ..shards.writer import Sample, ShardWriter
 from ..target.size import check_fits
+from . import ranks
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.extract import ExtractArgs
@@ -113,7 +114,8 @@ def pad_batch(batch: list[Sample], multiple: int = 8):
 
 
 def extract_samples(model, samples: list[Sample], out_dir: Path, aux_layers: list[int], *, batch_tokens: int,
-                    part_bytes: int, io_threads: int, progress=None, storage: str = "native") -> ShardWriter:
+                    part_bytes: int, io_threads: int, progress=None, storage: str = "native",
+                    prefix: str = "part-") -> ShardWriter:
     """Run the target over `samples` and write parts + rows into `out_dir`. Used by the stage and the bench."""
     import torch
 
@@ -122,7 +124,8 @@ def extract_samples(model, samples: list[Sample], out_dir: Path, aux_layers: lis
     device = next(model.parameters()).device
     tokens = max(part_tokens(part_bytes, hidden, str(dtype).removeprefix("torch."), storage), batch_tokens)
     capture = HiddenStateCapture(model, aux_layers)
-    writer = ShardWriter(out_dir, hidden, dtype, tokens, io_threads, pin=device.type == "cuda", storage=storage)
+    writer = ShardWriter(out_dir, hidden, dtype, tokens, io_threads, pin=device.type == "cuda", storage=storage,
+                         prefix=prefix)
     try:
         with torch.inference_mode():
             for batch in make_batches(samples, batch_tokens):
@@ -186,6 +189,10 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
     samples, truncated = load_samples(conversations, shard, int(args.samples_per_shard),
                                       int(args.max_length))
     name = shard_name(shard)
+    processes = int(args.num_processes) if backend == "hf" else 1
+    if ranks.is_rank():  # one of the processes a launch below started: its share, no publishing
+        return ranks.rank_main(extract_samples, lambda device: load_model(target, dtype, device), samples, aux_layers,
+                               args.model_copy(update={"storage": storage}), reporter, f"extract {name}")
     out_root.mkdir(parents=True, exist_ok=True)
     total = sum(len(s.input_ids) for s in samples)
     need = total * bytes_per_token(int(cfg.hidden_size), dtype, storage)
@@ -196,6 +203,8 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
                          f"workdir to a bigger disk")
     if backend == "hf":
         device = pick_device(args.device)
+        if processes > 1:
+            ranks.check(processes, args.device)
         check_fits(target, dtype, device)  # before a GB is loaded
     reporter.log(line(dtype_info))
     for stale in out_root.glob(f".tmp-{name}-*"):  # left by a run that died: never complete, safe to drop
@@ -203,8 +212,16 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
     tmp = out_root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        if backend == "hf":
+        if backend == "hf" and processes > 1:
+            reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
+                         f"({LAYER_CONVENTION}) + final pre-norm, split over {processes} processes")
+            files, index, devices, rank_wall = ranks.launch(
+                workdir, args.model_copy(update={"dtype": dtype, "storage": storage}), reporter, processes, tmp)
+            engine = {"engine": "transformers", "engine_version": _version("transformers"), "dtype": dtype}
+            t0 = time.monotonic() - rank_wall  # tokens/s counts the slowest rank's work, not the model loads
+        elif backend == "hf":
             model = load_model(target, dtype, device)
+            devices = [str(next(model.parameters()).device)]
             reporter.log(f"{name}: {len(samples)} samples, {total:,} tokens, aux layers {aux_layers} "
                          f"({LAYER_CONVENTION}) + final pre-norm, on {next(model.parameters()).device}")
             t0 = time.monotonic()
@@ -226,12 +243,13 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
                                            reporter, f"extract {name}")
             engine["dtype"] = dtype
             t0 = time.monotonic() - engine["engine_wall_s"]  # tokens/s counts the engine's work, not its start
+            devices = _engine_devices(engine)
         wall = time.monotonic() - t0
         final_dir = out_root / name
         manifest = publish_shard(tmp, final_dir, files, index, {
             "shard": shard, "target": str(target), "hidden_size": int(cfg.hidden_size), "num_layers": num_layers,
             "aux_layer_ids": aux_layers, "backend": backend, **engine, "storage": storage,
-            "truncated_samples": int(truncated)})
+            "truncated_samples": int(truncated), "processes": processes, "devices": devices})
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -254,6 +272,9 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
         "engine_version": engine["engine_version"],
         **({"language_model_only": engine["language_model_only"]} if "language_model_only" in engine else {}),
         "parts": len(files),
+        "processes": processes,  # hf: the ranks that split the shard; an engine: 1 (its own TP/DP below)
+        "gpus": sum(d.startswith("cuda") for d in devices),
+        "devices": devices,
         **{k: v for k, v in dtype_info.items() if k != "dtype"},
         "dtype": engine["dtype"],
         "storage": storage,
@@ -284,6 +305,14 @@ def publish_shard(tmp: Path, final_dir: Path, files: list[dict], index: list[dic
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     replace_dir(tmp, final_dir)
     return manifest
+
+
+def _engine_devices(engine: dict) -> list[str]:
+    """The GPUs an engine backend ran on: tensor x data parallel of them on a GPU host, none on a CPU host."""
+    import torch
+
+    n = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("data_parallel_size", 1))
+    return [f"cuda:{i}" for i in range(n)] if torch.cuda.is_available() else ["cpu"]
 
 
 def _version(dist: str) -> str:

@@ -1,23 +1,17 @@
 """Data-parallel training on several GPUs of one host: the stage relaunches itself under torchrun, one
-process per GPU, joined through accelerate. Rank 0 reports as JSON lines on its stdout and the launching
-process, which holds the Pipes connection, relays them, so Dagster sees one stage whatever the GPU count."""
+process per GPU (worker/torchrun.py), joined through accelerate."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import StageError
-from ..report import relayed
+from .. import torchrun
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.train import TrainArgs
-
-RELAY_ENV = "EAGLE3_REPORT_JSONL"
 
 
 class Group:
@@ -76,27 +70,8 @@ class Group:
 
 
 def launch(workdir: str, args: TrainArgs, reporter, n: int) -> None:
-    """Run the `train` stage on n processes and relay rank 0's reports."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
-    env[RELAY_ENV] = "1"
-    # torchrun starts the ranks; accelerate's PartialState (in Group) joins them into a process group on the
-    # right device and backend (NCCL on GPUs, gloo on CPU).
+    """Run the `train` stage on n processes and relay rank 0's reports. torchrun starts the ranks; accelerate's
+    PartialState (in Group) joins them into a process group on the right device and backend (NCCL on GPUs,
+    gloo on CPU)."""
     rank_args = args.model_copy(update={"num_processes": 1}).model_dump_json()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "eagle3_assets.worker", "train", "--workdir", workdir, "--args", rank_args]
-    reporter.log(f"launching data-parallel training on {n} processes: {' '.join(cmd[:8])} ...")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    error = None
-    for msg in relayed(proc.stdout):
-        kind = msg.get("kind")
-        if kind == "log":
-            reporter.log(msg["message"], msg.get("level", "info"))
-        elif kind == "materialize":
-            reporter.materialize(msg["metadata"], msg.get("data_version"))
-        elif kind == "result":
-            reporter.result(msg["payload"])
-        elif kind == "error":
-            error = msg["message"]
-    rc = proc.wait()
-    if rc != 0 or error:
-        raise StageError(error or f"data-parallel training exited with status {rc}")
+    torchrun.run("train", workdir, rank_args, n, reporter, "data-parallel training")

@@ -532,6 +532,7 @@ class Trainer:
             "compute": "bf16 autocast, fp32 master weights" if self.bf16 else "float32",
             **({} if self.device.startswith("cuda") else cpu_info()),
             "data_parallel_processes": group.world,
+            "gpus": group.world if self.device.startswith("cuda") else 0,  # one per data-parallel process
             "simulated_acceptance_length": round(simulated_acceptance_length(acc), 4),
             "probe_loss_0_before": round(before[0][0], 5) if before[0] else None,
             "probe_loss_0_after": round(after[0][0], 5) if after[0] else None,
