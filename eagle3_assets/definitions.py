@@ -12,7 +12,7 @@ from .assets.partitions import shard_partitions
 from .assets.serving import engine_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
 from .failover import build_failover_sensor, extract_on_host_job
-from .hosts import HOST_TAG, GpuHost, HostPool, LocalGpuHost, SshGpuHost
+from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
@@ -33,14 +33,27 @@ SSH_ENV = {"HOST": "host", "PORT": "port", "USER": "user", "KEY_FILE": "key_file
            "PASSWORD": "password", "KNOWN_HOSTS": "known_hosts", "PYTHON": "python", "WORKDIR": "workdir",
            "CODE": "code"}
 SSH_FLAGS = {"REQUIRE_GPUS": "require_gpus", "ACCEPT_UNKNOWN_HOST_KEY": "accept_unknown_host_key"}
+# EAGLE3_K8S_<FIELD> -> K8sHost field (EAGLE3_K8S_SECRETS: Secret names, comma-separated). Nothing here is
+# secret (the secrets stay in the cluster), so the values are read as the code location loads. Node selectors and
+# tolerations: a hosts file (EAGLE3_HOSTS).
+K8S_ENV = {"IMAGE": "image", "NAMESPACE": "namespace", "PVC": "pvc", "WORKDIR": "workdir", "GPUS": "gpus",
+           "PYTHON": "python", "SERVICE_ACCOUNT": "service_account", "KUBECONFIG": "kubeconfig",
+           "KUBE_CONTEXT": "kube_context", "CONTROL_PLANE_MOUNT": "control_plane_mount"}
 
 
 def gpu_host_from_env() -> GpuHost:
     """A pool of hosts when EAGLE3_HOSTS names their YAML file; the SSH host when EAGLE3_SSH_HOST is set
-    (EAGLE3_SSH_WORKDIR too); else this machine."""
+    (EAGLE3_SSH_WORKDIR too); a Kubernetes host when EAGLE3_K8S_IMAGE is; else this machine."""
     if os.environ.get(HOSTS_ENV):
         host_names(os.environ[HOSTS_ENV])  # a bad file fails the code location's load, naming what is wrong
         return HostPool(hosts_file=os.environ[HOSTS_ENV])
+    if os.environ.get("EAGLE3_K8S_IMAGE"):
+        if os.environ.get("EAGLE3_SSH_HOST"):
+            raise ValueError("both EAGLE3_K8S_IMAGE and EAGLE3_SSH_HOST are set: unset one, or list both hosts in a "
+                             f"hosts file ({HOSTS_ENV}; README: Several hosts)")
+        fields = {f: os.environ[f"EAGLE3_K8S_{k}"] for k, f in K8S_ENV.items() if os.environ.get(f"EAGLE3_K8S_{k}")}
+        secrets = [s.strip() for s in os.environ.get("EAGLE3_K8S_SECRETS", "").split(",") if s.strip()]
+        return K8sHost(**fields, secrets=secrets)
     if not os.environ.get("EAGLE3_SSH_HOST"):
         return LocalGpuHost(workdir=default_host_workdir())
     if not os.environ.get("EAGLE3_SSH_WORKDIR"):

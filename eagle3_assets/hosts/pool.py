@@ -1,6 +1,7 @@
 """A pool of hosts: the `gpu_host` resource when the work spreads over several machines.
 
-The hosts are listed in a YAML file (`EAGLE3_HOSTS`), each a local or SSH host with its own work directory.
+The hosts are listed in a YAML file (`EAGLE3_HOSTS`), each a local, SSH or Kubernetes host with its own work
+directory.
 Which host a run uses is its run tag `eagle3/host`; the run queue keeps one run per tag value
 (`tag_concurrency_limits` with `applyLimitPerUniqueValue` in dagster.yaml), so a backfill of N shards over H
 hosts runs H at a time. Runs without the tag use the first host, except a shard's: an asset backfill's runs
@@ -26,13 +27,14 @@ from pydantic import Field, ValidationError
 
 from ..stages.base import plain_name
 from .base import GpuHost, Held, StageRun
+from .k8s import K8sHost
 from .local import LocalGpuHost
 from .replicate import held_copy, listing, replicate
 from .ssh import UNREACHABLE, SshGpuHost
 
 HOST_TAG = "eagle3/host"  # the run's host; the run queue limits runs per value of it
 HOSTS_ENV = "EAGLE3_HOSTS"
-KINDS = {"local": LocalGpuHost, "ssh": SshGpuHost}
+KINDS = {"local": LocalGpuHost, "ssh": SshGpuHost, "k8s": K8sHost}
 DATA_VERSION_TAG = "dagster/data_version"
 
 
@@ -90,7 +92,7 @@ def _members(path: str) -> list[Member]:
         try:
             host = KINDS[h["kind"]](**fields)
         except ValidationError as e:
-            bad = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            bad = "; ".join(f"{'.'.join(map(str, x['loc'])) + ': ' if x['loc'] else ''}{x['msg']}" for x in e.errors())
             raise ValueError(f"{path}: host {h['name']!r} ({h['kind']}): {bad}") from None
         out.append(Member(h["name"], host, str(h.get("storage") or h["name"])))
     return out
@@ -110,7 +112,7 @@ def home_host(names: list[str], partition_key: str) -> str:
 class HostPool(GpuHost):
     """Several hosts, one of them per run: the one its `eagle3/host` tag names, else the first."""
 
-    hosts_file: str = Field(description="YAML file listing the hosts (name, kind: local | ssh, storage, and the "
+    hosts_file: str = Field(description="YAML file listing the hosts (name, kind: local | ssh | k8s, storage, and the "
                                         "host's own settings; secrets as {env: VAR})")
     workdir: str = Field(default="", description="unused: each host has its own")
 
