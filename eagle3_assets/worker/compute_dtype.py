@@ -41,6 +41,11 @@ def cpu() -> dict:
     return {"cpu": name, "cpu_isa": [f for f in _ISA if f in flags], "cpu_bf16": bf16, "cpu_bf16_probe": how}
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def resolve(requested: str | None, device: str) -> str:
     """The dtype to compute in on `device` ('cuda...' or 'cpu') for a stage asked for `requested`."""
     if requested and requested != AUTO:

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_stage
-from eagle3_assets.worker.hidden_states.ranks import cpu_count, split
+from eagle3_assets.worker.compute_dtype import cores
+from eagle3_assets.worker.hidden_states.ranks import split
 from eagle3_assets.worker.shards.writer import Sample
 from eagle3_assets.worker.training.data import ShardSet
 
@@ -46,7 +47,7 @@ def _rows(shard: Path) -> dict[str, dict]:
 
 def test_two_processes_write_the_tensors_one_process_writes_into_one_shard(built, tmp_path):
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_count() // 2))  # each rank's share of the cores: the same kernels' splits
+    torch.set_num_threads(max(1, cores() // 2))  # each rank's share of the cores: the same kernels' splits
     try:
         one, shard1 = _extract(built, tmp_path, "one")
     finally:
@@ -79,10 +80,10 @@ def test_two_processes_write_the_tensors_one_process_writes_into_one_shard(built
 
 
 def test_more_processes_than_the_host_has_cores_is_refused_before_any_starts(built, tmp_path):
-    n = cpu_count() + 1
+    n = cores() + 1
     done, shard = _extract(built, tmp_path, "many", num_processes=n)
     assert done.returncode == 2
-    assert f"num_processes {n} is more than this CPU host's {cpu_count()} cores" in done.stderr
+    assert f"num_processes {n} is more than this CPU host's {cores()} cores" in done.stderr
     assert "launching" not in done.stderr and not shard.exists()
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .. import torchrun
+from ..compute_dtype import cores
 from ..errors import StageError
 from ..shards.writer import Sample
 
@@ -35,10 +36,6 @@ def split(samples: list[Sample], n: int) -> list[list[Sample]]:
     return [sorted(sh, key=lambda s: s.row) for sh in shares]
 
 
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def check(n: int, device: str) -> None:
     """Refuse, before a process starts, a split the host cannot run: more processes than GPUs (or cores), or
     one named GPU for several processes."""
@@ -54,9 +51,9 @@ def check(n: int, device: str) -> None:
                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): set num_processes to at most {gpus}")
     elif device == "cuda":
         raise StageError("device is cuda, but torch sees no GPU on this host: set device to auto or cpu")
-    elif n > cpu_count():
-        raise StageError(f"num_processes {n} is more than this CPU host's {cpu_count()} cores: set it to at most "
-                         f"{cpu_count()} (on a CPU the processes share the cores)")
+    elif n > cores():
+        raise StageError(f"num_processes {n} is more than this CPU host's {cores()} cores: set it to at most "
+                         f"{cores()} (on a CPU the processes share the cores)")
 
 
 def launch(workdir: str, args, reporter, n: int, tmp: Path) -> tuple[list[dict], list[dict], list[str], float]:
@@ -64,7 +61,7 @@ def launch(workdir: str, args, reporter, n: int, tmp: Path) -> tuple[list[dict],
     rank's compute seconds)."""
     env = {TMP_ENV: str(tmp)}
     if not (args.device in ("auto", "cuda") and _has_gpu()):  # CPU ranks share the cores instead of oversubscribing
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // n))
+        env["OMP_NUM_THREADS"] = str(max(1, cores() // n))
     torchrun.run("extract", workdir, args.model_dump_json(), n, reporter, f"extraction of shard {args.shard}", env)
     done = []
     for r in range(n):

@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from ...compute_dtype import cores
 from ...errors import StageError
 from .. import support_probe, target_shapes
 
@@ -40,22 +41,18 @@ _PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", 
                    "--distributed-executor-backend")
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _cpu_env() -> dict[str, str]:
     """Environment for vLLM's CPU backend (a GPU build never reads these). It keeps 2 GiB of KV cache, and on
     a host of at most 4 CPUs no core for its scheduler process: by default vLLM's CPU build binds its compute
     threads to all cores but one, which on 2 cores halves them (measured on a 2-core AVX2-only AMD EPYC,
     float32, SmolLM2-135M: 95 -> 139 tokens/s in batches of 64, 8.3 -> 11.9 at one request, ready 71 -> 59 s).
     On larger hosts the reserved core is a small share and vLLM's default stands."""
-    cpus = _cpus()
+    cpus = cores()
     return {"VLLM_CPU_KVCACHE_SPACE": "2", **({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cpus <= 4 else {})}
 
 
 def _one_process_env() -> dict[str, str]:
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(_cpus())} if ONE_PROCESS else {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(cores())} if ONE_PROCESS else {}
 
 
 # evaluated where the worker runs: on the host. Extraction keeps vLLM's processes (its TP/DP settings, our KV
