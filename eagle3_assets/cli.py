@@ -154,12 +154,24 @@ def show_lineage(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """--deadline's type: a positive, finite number of seconds (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds: the whole command's time, "
+                                         "e.g. --deadline 900") from None
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-assets")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
     m.add_argument("--config", help="run config YAML: {ops: {<asset>: {config: {...}}}}, as in the UI launchpad")
-    m.add_argument("--deadline", type=float, metavar="SECONDS",
+    m.add_argument("--deadline", type=_seconds, metavar="SECONDS",
                    help="end the whole command within this: training's time budget shrinks to what is left after "
                         f"an estimate of the stages that follow it (default with no --config: {EMBEDDED_DEADLINE_S:.0f})")
     lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")

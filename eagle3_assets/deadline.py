@@ -21,7 +21,10 @@ MIN_TRAINING_S = 60.0  # below this a drafter is not worth serving: run late rat
 def training_budget(deadline_s: float, elapsed_s: float, configured_s: float | None,
                     server_ready_s: float | None) -> tuple[float, str]:
     """(seconds of training, the reason in a sentence): the configured budget, or less where the deadline
-    would otherwise pass; never under MIN_TRAINING_S."""
+    would otherwise pass; never under MIN_TRAINING_S, and never more than the configured budget (a deadline only
+    shortens what the user chose)."""
+    if not deadline_s > 0:
+        raise ValueError(f"the deadline must be a positive number of seconds, got {deadline_s:g}")
     if server_ready_s:
         reserve = AFTER_TRAINING_FIXED_S + AFTER_TRAINING_PER_SERVER_START * server_ready_s
         why = (f"{reserve:.0f} s kept for what follows training ({AFTER_TRAINING_FIXED_S:g} s + "
@@ -32,8 +35,9 @@ def training_budget(deadline_s: float, elapsed_s: float, configured_s: float | N
     left = deadline_s - elapsed_s - reserve
     budget = left if configured_s is None else min(float(configured_s), left)
     head = f"{elapsed_s:.0f} s of the {deadline_s:.0f} s deadline gone, {why}"
-    if budget < MIN_TRAINING_S:
-        return MIN_TRAINING_S, f"{head}: the deadline cannot be kept; training gets the minimum {MIN_TRAINING_S:.0f} s"
+    floor = MIN_TRAINING_S if configured_s is None else min(MIN_TRAINING_S, float(configured_s))
+    if budget < floor:
+        return floor, f"{head}: the deadline cannot be kept; training gets the minimum {floor:g} s"
     if configured_s is not None and budget >= float(configured_s):
         return float(configured_s), f"{head}: the configured {float(configured_s):g} s fit"
     return round(budget), f"{head}: {round(budget)} s" + (f" of the configured {float(configured_s):g} s"

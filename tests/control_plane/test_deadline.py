@@ -33,3 +33,25 @@ def test_without_a_measured_server_start_a_share_of_the_deadline_is_kept():
 def test_a_deadline_already_lost_still_trains_the_minimum_and_says_so():
     budget, why = training_budget(840, 800, 240, 60)
     assert budget == MIN_TRAINING_S and "cannot be kept" in why
+
+
+def test_a_deadline_never_raises_a_configured_budget():
+    # a short configured budget is what the user chose: the deadline's minimum must not lengthen it
+    budget, why = training_budget(30, 20, 5, 40)
+    assert budget == 5 and "minimum 5 s" in why
+    assert training_budget(30, 20, None, 40)[0] == MIN_TRAINING_S
+
+
+def test_the_main_command_refuses_a_deadline_that_is_not_positive(capsys):
+    import pytest
+
+    from eagle3_assets.cli import main
+
+    for bad in ("-30", "0", "nan", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["materialize", "--deadline", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--deadline" in err and ("positive" in err or "not a number" in err), err
+    with pytest.raises(ValueError, match="positive"):
+        training_budget(-30, 0, 240, 40)
