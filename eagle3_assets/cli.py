@@ -166,7 +166,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (also read by the docs' reference page and their test, docs/hooks/reference.py)."""
     ap = argparse.ArgumentParser(prog="eagle3-assets")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("materialize", help="materialize every asset (all shard partitions) into $DAGSTER_HOME")
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")
     lin.add_argument("--engine", choices=list(NAMES))
     lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")
-    ns = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     return materialize(ns) if ns.cmd == "materialize" else show_lineage(ns)
 
 
