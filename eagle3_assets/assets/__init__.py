@@ -7,6 +7,7 @@ from .export import drafter_export
 from .hidden_states import hidden_state_shards
 from .history import benchmark_history, benchmark_regression
 from .host import host_preflight
+from .integration import integration_check, integration_drafter
 from .prompts import prompts
 from .serving import serving_benchmark
 from .synthetic_prompts import synthetic_prompts
@@ -16,4 +17,5 @@ from .vocab import vocab_mapping
 data_assets = [target_model, prompts, synthetic_prompts, conversations, hidden_state_shards, vocab_mapping]
 drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
 serving_assets = [serving_benchmark, benchmark_history, benchmark_regression]
-all_assets = data_assets + drafter_assets + serving_assets + [host_preflight]
+integration_assets = [integration_drafter, integration_check]
+all_assets = data_assets + integration_assets + drafter_assets + serving_assets + [host_preflight]

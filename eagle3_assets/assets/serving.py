@@ -62,8 +62,10 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
         raise dg.Failure(description=f"eval_set must be one of {sorted(PROMPT_SETS)}, got {config.eval_set!r}")
     export = upstream_metadata(context, "drafter_export")
     if f"{engine}_path" not in export:
-        raise dg.Failure(description=f"drafter_export has no {engine} export (dialects {export.get('dialects')}): "
-                                     f"materialize drafter_export with {engine} among its dialects")
+        why = export.get(f"{engine}_left_out")
+        raise dg.Failure(description=f"drafter_export has no {engine} export (dialects {export.get('dialects')})"
+                                     + (f": it was left out because {why}" if why else
+                                        f": materialize drafter_export with {engine} among its dialects"))
     checkpoint = _exported_checkpoint(context)
     run = gpu_host.run_stage(context, "serve_bench", {
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
@@ -116,17 +118,40 @@ def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.Asset
                                    f"({offline.get('eval_set')}): rematerialize it with eval_set {config.eval_set!r}")
     if ratio >= config.min_ratio_to_offline:
         return dg.AssetCheckResult(check_name=CONSISTENCY, passed=True, metadata=facts)
-    cause = ""
-    if meta.get("trained_aux_layers") is not None and meta.get("served_aux_layers") != meta.get("trained_aux_layers"):
-        cause = (f"Cause found: the engine captures target layers {meta['served_aux_layers']} but the drafter was "
-                 f"trained on {meta['trained_aux_layers']} (both as outputs of layer i): the export's layer ids are "
-                 f"wrong; re-export with drafter_export. ")
-    steps = "\n".join(f"{i}. {s}" for i, s in enumerate(INSPECT, 1))
     return dg.AssetCheckResult(
         check_name=CONSISTENCY, passed=False, metadata=facts,
         description=f"{meta['engine']} acceptance length {engine_al:.3f} is {ratio:.0%} of the offline reference "
-                    f"{offline_al:.3f} for the same checkpoint: an integration fault, not a weak drafter. {cause}"
-                    f"Inspect, in order:\n{steps}")
+                    f"{offline_al:.3f} for the same checkpoint: an integration fault, not a weak drafter. "
+                    f"{diagnosis(meta)}")
+
+
+def causes(meta: dict) -> list[str]:
+    """The integration faults the benchmark's evidence shows (`meta`: serve_bench's metadata), in INSPECT's
+    order: each a sentence naming what is wrong and what to do."""
+    found = []
+    if meta.get("trained_aux_layers") is not None and meta.get("served_aux_layers") != meta.get("trained_aux_layers"):
+        found.append(f"the engine captures target layers {meta['served_aux_layers']} but the drafter was trained on "
+                     f"{meta['trained_aux_layers']} (both as outputs of layer i): the export's layer ids are wrong; "
+                     "re-export with drafter_export")
+    method = meta.get("served_method")
+    if method is not None and str(method).lower() != "eagle3":
+        found.append(f"the server was started with speculative method {method!r}, not EAGLE-3 (`eagle3` in vLLM's "
+                     "--speculative-config, `EAGLE3` for SGLang's --speculative-algorithm): remove the override from "
+                     "extra_args")
+    if meta.get("dropped_config_keys"):
+        found.append(f"the export's config.json lacks {meta['dropped_config_keys']} of the trained drafter's: check "
+                     "that the engine does not need them (re-export with drafter_export)")
+    if meta.get("draft_vocab_mapping") not in (None, "same"):
+        found.append(f"{meta['draft_vocab_mapping']}: the engine maps draft tokens to other target tokens; re-export "
+                     "with drafter_export")
+    return found
+
+
+def diagnosis(meta: dict) -> str:
+    """What the evidence names ("Cause found: ..."), then what to inspect, in order (INSPECT)."""
+    found = "".join(f"Cause found: {c}. " for c in causes(meta))
+    steps = "\n".join(f"{i}. {s}" for i, s in enumerate(INSPECT, 1))
+    return f"{found}Inspect, in order:\n{steps}"
 
 
 def speedup(meta: dict) -> dg.AssetCheckResult:

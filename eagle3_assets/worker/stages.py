@@ -22,6 +22,7 @@ STAGES = {
     "vocab": _lazy("data.vocab"),
     "synthesize": _lazy("data.synthesize"),
     "extract": _lazy("hidden_states.extract"),
+    "integration_data": _lazy("hidden_states.integration_data"),
     "train": _lazy("training.trainer"),
     "export": _lazy("serving.export"),
     "speculate": _lazy("serving.speculate"),

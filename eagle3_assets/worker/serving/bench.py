@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...common.launch import launch_facts
 from .. import engines
 from ..engines import load
 from ..engines.server import EngineServer, check_support, free_port
@@ -55,9 +56,33 @@ def layer_wiring(engine_name: str, export_dir: Path, trained_dir: Path | None, t
                                    tc.model_type)
     out = {"served_aux_layers": served}
     if trained_dir is not None and (trained_dir / "config.json").exists():
-        out["trained_aux_layers"] = aux_ids_from_config(json.loads((trained_dir / "config.json").read_text()), layers,
-                                                     tc.model_type)
+        trained = json.loads((trained_dir / "config.json").read_text())
+        out["trained_aux_layers"] = aux_ids_from_config(trained, layers, tc.model_type)
+        served_cfg = json.loads((export_dir / "config.json").read_text())
+        # what the conversion dropped or changed (layer-id fields aside: compared above, in one convention)
+        out["dropped_config_keys"] = sorted(k for k in trained if k not in served_cfg and k != "eagle3_assets")  # ours
+        out["changed_config_keys"] = sorted(k for k in trained if k in served_cfg and served_cfg[k] != trained[k]
+                                            and "layer_ids" not in k)
+        out["draft_vocab_mapping"] = _vocab_mapping(export_dir, trained_dir)
     return out
+
+
+def _vocab_mapping(export_dir: Path, trained_dir: Path) -> str:
+    """Whether the served d2t/t2d are the trained drafter's: "same", or what differs."""
+    import torch
+    from safetensors import safe_open
+
+    def read(d: Path) -> dict:
+        found = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                found.update({k: h.get_tensor(k) for k in ("d2t", "t2d") if k in h.keys()})
+        return found
+
+    served, trained = read(export_dir), read(trained_dir)
+    differ = [k for k in ("d2t", "t2d") if k in trained and (k not in served or served[k].shape != trained[k].shape
+                                                            or not torch.equal(served[k], trained[k]))]
+    return "same" if not differ else "the served " + " and ".join(differ) + " differ from the trained drafter's"
 
 
 def measure(engine, server: EngineServer, requests: list, concurrency: int, max_new: int, k: int, reporter,
@@ -179,6 +204,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     reporter.log(why)
     results: dict[tuple[str, int], dict] = {}
     texts: dict[str, dict[str, str]] = {}
+    facts = launch_facts(server("eagle3", plans[0][1], []).argv)
     with ExitStack() as running:
         started: list[tuple[EngineServer, float]] = []
         if together:
@@ -204,7 +230,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
                 srv.stop()
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
-    summary["metadata"].update(dtype_info, language_model_only=text_only)
+    summary["metadata"].update(dtype_info, language_model_only=text_only, **facts)
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)
                                             if args.trained_drafter else None, target))
     append_history(history, summary["rows"], reporter, moved)

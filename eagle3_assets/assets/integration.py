@@ -1,0 +1,217 @@
+"""The integration gate, before any long training: a drafter that has memorised a handful of the
+already-extracted conversations, exported as the real export, must be accepted almost entirely by the real
+engine on exactly those prompts. If not, the engine's EAGLE-3 integration is broken for this target (the
+story's 15 % after 2.6 hours), found in minutes.
+
+- `integration_drafter`: stage `integration_data` (the samples as a shard of their own, their prompts, and the
+  parity of engine-extracted hidden states against transformers'), then the product's own `train`, `export`
+  and `speculate` (the offline figure) on them.
+- `integration_check` (per engine partition): parity first (a failure there names the layer, and no server
+  starts), then the `serve_bench` stage (the benchmark's own server, load and counter code) on those prompts,
+  and the verdict: the engine's acceptance length close to the offline figure and near the ceiling k + 1, or
+  what to look at, in order, with the evidence (serving.diagnosis). Its blocking check `integration_passes`
+  is what eagle3_drafter waits on.
+"""
+
+import time
+
+import dagster as dg
+from pydantic import Field
+
+from ..code_versions import code_version
+from ..common.launch import launch_facts
+from ..hosts import GpuHost
+from ..stages.integration_data import IntegrationDataSettings
+from ..stages.serve_bench import ServeBenchSettings
+from .partitions import shard_partitions
+from .paths import CONVERSATIONS, SHARDS_DIR, VOCAB
+from .serving import diagnosis, engine_partitions
+from .upstream import upstream_metadata
+
+GATE_DIR = "integration"
+PASSES = "integration_passes"
+
+
+class IntegrationDrafterConfig(dg.Config, IntegrationDataSettings):
+    """How the gate's drafter memorises its samples (the train stage's settings of that name), and how it is
+    measured offline. Sized on the tests' tiny target and SmolLM2-135M (README: the integration gate)."""
+
+    epochs: int = Field(default=60, gt=0, description="passes over the samples (a step per sample at these sizes)")
+    lr: float = Field(default=3e-3, gt=0)
+    ttt_steps: int = Field(default=3, gt=0, description="training-time-test unroll: at least the draft length served")
+    row_tokens: int = Field(default=512, gt=0, description="tokens per packed row (a whole sample each)")
+    num_speculative_tokens: int = Field(default=3, gt=0, description="draft length, offline and served")
+    max_new_tokens: int = Field(default=64, gt=0, description="per prompt, offline and served (at most the shortest "
+                                "memorised reply)")
+    dtype: str | None = Field(default=None, description="offline decoding's dtype (speculate's)")
+
+
+class IntegrationCheckConfig(dg.Config, ServeBenchSettings):
+    """The served half: serve_bench's launch settings (baseline, concurrencies, limit and lengths are the
+    gate's own), and what passes."""
+
+    min_ratio_to_offline: float = Field(default=0.85, ge=0, le=1, description="the engine's acceptance length "
+                                        "must be at least this share of the memorised drafter's offline one")
+    min_share_of_ceiling: float = Field(default=0.75, ge=0, le=1, description="... and at least this share of the "
+                                        "ceiling k + 1 (offline too: else the drafter has not memorised its samples)")
+
+
+@dg.asset(group_name="integration", kinds={"pytorch"}, pool="gpu_host",
+          deps=["hidden_state_shards", "conversations", "vocab_mapping", "target_model"],
+          code_version=code_version(__name__, "integration_drafter"))
+def integration_drafter(context: dg.AssetExecutionContext, config: IntegrationDrafterConfig,
+                        gpu_host: GpuHost) -> dg.MaterializeResult:
+    """A drafter memorising a handful of the extracted conversations, exported for every engine, with its
+    offline acceptance on their prompts; and the hidden-state parity of engine-extracted shards."""
+    target = upstream_metadata(context, "target_model")["path"]
+    keys = context.instance.get_dynamic_partitions(shard_partitions.name)
+    done = context.instance.get_materialized_partitions(dg.AssetKey("hidden_state_shards"))
+    first = next((k for k in keys if k in done), None)
+    if first is None:
+        raise dg.Failure(description="no hidden_state_shards partition is materialized: the gate memorises "
+                                     "already-extracted conversations; materialize one shard first")
+    times, t0 = {}, time.monotonic()
+    data = gpu_host.run_stage(context, "integration_data", {
+        "target": target, "shards": [f"{SHARDS_DIR}/shard-{first}"], "conversations": CONVERSATIONS,
+        "out": f"{GATE_DIR}/data", "samples": config.samples, "parity_samples": config.parity_samples}).result
+    times["data_s"] = round(time.monotonic() - t0, 1)
+    parity = data.get("parity") or "not checked: the shards came from the hf backend (the reference itself)"
+    parity_passed = (data.get("parity") or {}).get("passed", True)
+    common = {"samples": data["samples"], "tokens": data["tokens"], "prompts": data["prompts"], "shard": data["shard"],
+              "shards_backend": data["backend"], "parity": parity, "parity_passed": parity_passed}
+    if not parity_passed:  # a drafter trained on those states cannot work: the gate fails on parity alone
+        return dg.MaterializeResult(metadata={**common, **times, "wall_s": round(time.monotonic() - t0, 1)})
+    # served past the memorised replies, the target says what no sample taught: the ceiling no longer holds
+    max_new = min(config.max_new_tokens, int(data["reply_tokens"]))
+    t = time.monotonic()
+    train = gpu_host.run_stage(context, "train", {
+        "target": target, "shards": [data["shard"]], "vocab": VOCAB, "out": f"{GATE_DIR}/drafter",
+        "epochs": config.epochs, "lr": config.lr, "ttt_steps": config.ttt_steps, "row_tokens": config.row_tokens,
+        "rows_per_batch": 1, "warmup_ratio": 0.0, "probe_batches": 0, "resume": False})
+    times["train_s"] = round(time.monotonic() - t, 1)
+    trained = train.materialization.metadata if train.materialization else {}
+    t = time.monotonic()
+    export = gpu_host.run_stage(context, "export", {"drafter": train.result["path"], "target": target,
+                                                    "out": f"{GATE_DIR}/export"}).result
+    times["export_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    offline = gpu_host.run_stage(context, "speculate", {
+        "target": target, "drafter": train.result["path"], "prompts": data["prompts"], "limit": data["samples"],
+        "num_speculative_tokens": config.num_speculative_tokens, "max_new_tokens": max_new,
+        "dtype": config.dtype}).result
+    times["offline_s"] = round(time.monotonic() - t, 1)
+    meta = {
+        **common, "drafter": train.result["path"], "train_steps": train.result["steps"],
+        "train_final_loss_0": (train.result.get("loss") or [None])[0],
+        "train_acc_0": (train.result.get("acc") or [None])[0],
+        "train_wall_s": train.result["wall_s"], "source": export["source"],
+        **{k: v for k, v in export.items() if k.endswith("_path")},
+        "offline_acceptance_length": offline["acceptance_length"],
+        "num_speculative_tokens": config.num_speculative_tokens, "max_new_tokens": max_new,
+        **times, "wall_s": round(time.monotonic() - t0, 1),
+        "train_tokens_per_s": trained.get("tokens_per_s").value if "tokens_per_s" in trained else None,
+    }
+    return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(str(export.get("data_version"))))
+
+
+def _parity_failure(parity: dict) -> str:
+    rows = [f"{name}: norm ratio {v['norm_ratio']:.4f}, cosine {v['cosine']:.4f}" + (" (all zero)" if v["all_zero"]
+                                                                                      else "")
+            for name, v in parity["layers"].items() if not v["passed"]]
+    tol = parity["tolerance"]
+    return (f"hidden-state parity failed: the engine-extracted shards disagree with the transformers forward on the "
+            f"same tokens at {', '.join(parity['failed_layers'])} ({'; '.join(rows)}; tolerance for a "
+            f"{parity['kind']} target: norm ratio within {tol['max_norm_ratio_error']:.0%} of 1, mean cosine >= "
+            f"{tol['min_cosine']}). The engine captures other, scaled or empty states than the target computes: "
+            f"a drafter trained on them cannot work. Check the engine's capture for this architecture (all zero: "
+            f"not wired; a constant ratio: a scale applied on one side only), then re-extract the shards")
+
+
+def verdict(engine: str, drafter: dict, served: dict | None, error: str | None, config: IntegrationCheckConfig,
+            extra_args: list[str]) -> tuple[bool, str, dict]:
+    """(passed, description, facts) for one engine: parity, then the served acceptance against the offline
+    figure and the ceiling, with serving.diagnosis's ordered, evidenced list when it fails."""
+    facts = {}
+    parity = drafter.get("parity")
+    if isinstance(parity, dict):
+        facts.update({f"parity_{n.replace(' ', '_')}_{m}": v[m] for n, v in parity["layers"].items()
+                      for m in ("norm_ratio", "cosine")})
+        if not parity["passed"]:
+            return False, _parity_failure(parity), facts
+    k = int(drafter["num_speculative_tokens"])
+    ceiling, offline_al = k + 1, float(drafter["offline_acceptance_length"])
+    facts.update(offline_acceptance_length=round(offline_al, 4), ceiling=ceiling)
+    if offline_al < config.min_share_of_ceiling * ceiling:
+        return False, (f"the gate's drafter did not memorise its samples: offline acceptance length {offline_al:.3f} "
+                       f"of a ceiling of {ceiling} (needs {config.min_share_of_ceiling:.0%}); nothing can be told about "
+                       f"{engine} from it. Raise integration_drafter's epochs or lr"), facts
+    if served is None:
+        evidence = {**launch_facts(extra_args), "engine": engine}
+        facts.update({k_: str(v) for k_, v in evidence.items()})
+        return False, (f"{engine} did not serve the gate's memorised drafter: {error}\n\n{diagnosis(evidence)}"), facts
+    engine_al = served.get("acceptance_length")
+    facts.update({"engine_acceptance_length": round(engine_al, 4) if engine_al else None,
+                  **{k_: str(served.get(k_)) for k_ in ("served_aux_layers", "trained_aux_layers", "served_method",
+                                                        "attention_backend", "draft_vocab_mapping",
+                                                        "dropped_config_keys")}})
+    if engine_al is None:
+        return False, f"{engine} reported no acceptance (no drafts counted).\n\n{diagnosis(served)}", facts
+    ratio = engine_al / offline_al
+    facts["ratio_to_offline"] = round(ratio, 4)
+    if ratio >= config.min_ratio_to_offline and engine_al >= config.min_share_of_ceiling * ceiling:
+        return True, (f"{engine} accepts the memorised drafter's drafts: acceptance length {engine_al:.3f}, offline "
+                      f"{offline_al:.3f}, ceiling {ceiling}"), facts
+    return False, (f"{engine} acceptance length {engine_al:.3f} on the samples the drafter memorised is {ratio:.0%} of "
+                   f"its offline {offline_al:.3f} (ceiling {ceiling}): the engine's EAGLE-3 integration is broken for "
+                   f"this target, not the drafter. {diagnosis(served)}"), facts
+
+
+@dg.asset(group_name="integration", kinds={"python"}, partitions_def=engine_partitions, pool="gpu_host",
+          deps=["integration_drafter", "target_model"], code_version=code_version(__name__, "integration_check"),
+          check_specs=[dg.AssetCheckSpec(PASSES, asset="integration_check", blocking=True,
+                                         description="the engine accepts nearly all drafts of a drafter that memorised "
+                                                     "the prompts it serves: its EAGLE-3 integration works")])
+def integration_check(context: dg.AssetExecutionContext, config: IntegrationCheckConfig, gpu_host: GpuHost):
+    """The gate's memorised drafter served by the engine (partition) on exactly its samples' prompts, measured
+    by the engine's own counters, against its offline figure: pass, or fail naming what to look at."""
+    engine = context.partition_key
+    drafter = upstream_metadata(context, "integration_drafter")
+    t0, served, error = time.monotonic(), None, None
+    passed_parity = drafter.get("parity_passed", True)
+    if passed_parity and f"{engine}_path" not in drafter:
+        raise dg.Failure(description=f"integration_drafter has no {engine} export: rematerialize it")
+    if passed_parity:
+        try:
+            run = gpu_host.run_stage(context, "serve_bench", {
+                "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
+                "drafter": drafter[f"{engine}_path"], "trained_drafter": drafter["source"],
+                "prompts": drafter["prompts"], "prompt_set": "integration", "checkpoint": "integration",
+                "history": f"{GATE_DIR}/{engine}/history.parquet",
+                "out_dir": f"{GATE_DIR}/{engine}/{time.strftime('%Y%m%d-%H%M%S')}",
+                **config.model_dump(exclude={"min_ratio_to_offline", "min_share_of_ceiling"}),
+                "limit": drafter["samples"], "max_new_tokens": drafter["max_new_tokens"],
+                "num_speculative_tokens": drafter["num_speculative_tokens"], "concurrencies": [1],
+                "baseline": False})
+            served = run.result["metadata"]
+        except dg.Failure as e:  # the server never served: a verdict too (the method trap dies at start)
+            error = e.description
+    passed, why, facts = verdict(engine, drafter, served, error, config, list(config.extra_args))
+    serve_s = round(time.monotonic() - t0, 1)
+    meta = {"passed": passed, "verdict": dg.MetadataValue.md(why), **facts, "serve_s": serve_s,
+            "gate_wall_s": round(float(drafter.get("wall_s") or 0) + serve_s, 1),
+            "drafter_wall_s": drafter.get("wall_s"), "train_s": drafter.get("train_s")}
+    (context.log.info if passed else context.log.error)(f"integration gate {engine}: {why}")
+    return dg.MaterializeResult(metadata=meta, check_results=[dg.AssetCheckResult(
+        check_name=PASSES, passed=passed, metadata={k: v for k, v in facts.items() if v is not None},
+        description=why)])
+
+
+def gate_state(instance: dg.DagsterInstance, engine: str) -> tuple[bool | None, str]:
+    """The latest integration_check of `engine`: (passed, why); passed None when it has not run."""
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("integration_check"), asset_partitions=[engine]), limit=1).records
+    if not recs:
+        return None, f"integration_check has not run for {engine}"
+    meta = recs[0].event_log_entry.asset_materialization.metadata
+    verdict_text = meta["verdict"].value if "verdict" in meta else ""
+    return bool(meta["passed"].value), verdict_text
