@@ -1,0 +1,141 @@
+"""The docs hold to the code: every run-config key a page shows is a setting of that asset, every
+`eagle3-assets ...` command parses with the CLI's own parser, every `python bench/...` script exists, the
+environment-variable reference covers what the package reads, and the site builds offline with --strict."""
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
+
+
+def _reference():
+    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "docs" / "hooks" / "reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+REF = _reference()
+
+
+def blocks(lang: str, pages=PAGES):
+    """(page, line, text) of every fenced block of that language (indented ones too, as in list items)."""
+    for page in pages:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            if m.group("lang") == lang:
+                body = "\n".join(line[len(m.group("indent")):] for line in m.group("body").splitlines())
+                yield page.relative_to(ROOT), text.count("\n", 0, m.start()) + 1, body
+
+
+def run_config_errors(text: str, configs: dict) -> list[str]:
+    """What in a YAML block is not a setting: an `ops:` asset that is not one, or a key its config lacks."""
+    doc = yaml.safe_load(text)
+    if not isinstance(doc, dict) or "ops" not in doc:
+        return []
+    errors = []
+    for asset, body in (doc["ops"] or {}).items():
+        if asset not in configs:
+            errors.append(f"ops.{asset}: not an asset with a run config ({sorted(configs)})")
+            continue
+        fields = configs[asset].model_fields
+        errors += [f"ops.{asset}.config.{key}: not a setting of {asset}"
+                   for key in ((body or {}).get("config") or {}) if key not in fields]
+    return errors
+
+
+def commands(text: str) -> list[str]:
+    """The shell commands of a bash block: continuation lines joined, comments dropped."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            out += [c.strip() for c in re.split(r"&&|;|\|", line) if c.strip()]
+    return out
+
+
+def test_every_run_config_key_the_docs_show_is_a_setting():
+    configs = REF.asset_configs()
+    found, errors = 0, []
+    for page, line, text in blocks("yaml"):
+        errs = run_config_errors(text, configs)
+        found += "ops" in (yaml.safe_load(text) or {})
+        errors += [f"{page}:{line}: {e}" for e in errs]
+    assert found >= 3, "the docs' run configs were not found: the block parser is broken"
+    assert not errors, "\n".join(errors)
+
+
+def test_a_misspelt_key_fails():
+    configs = REF.asset_configs()
+    good = "ops:\n  eagle3_drafter:\n    config: {epochs: 3, ttt_steps: 7}\n"
+    assert run_config_errors(good, configs) == []
+    assert run_config_errors(good.replace("ttt_steps", "tt_steps"), configs) == \
+        ["ops.eagle3_drafter.config.tt_steps: not a setting of eagle3_drafter"]
+    assert run_config_errors("ops:\n  eagle3_draftr: {config: {epochs: 3}}\n", configs)[0].startswith("ops.eagle3_draftr")
+
+
+def test_every_command_the_docs_show_parses_and_every_bench_script_exists():
+    parser = REF.cli_parser()
+    parsed, errors = 0, []
+    for page, line, text in blocks("bash"):
+        for cmd in commands(text):
+            words = shlex.split(cmd)
+            if words[0] == "eagle3-assets":
+                try:
+                    parser.parse_args(words[1:])
+                    parsed += 1
+                except SystemExit:
+                    errors.append(f"{page}:{line}: `{cmd}` does not parse with eagle3_assets/cli.py's parser")
+            elif words[:1] == ["python"] and len(words) > 1 and words[1].startswith("bench/"):
+                parsed += 1
+                if not (ROOT / words[1]).is_file():
+                    errors.append(f"{page}:{line}: `{cmd}`: no {words[1]}")
+            elif words[:3] == ["python", "-m", "eagle3_assets.worker"] and len(words) > 3:
+                from eagle3_assets import stages
+
+                if words[3] not in stages.NAMES:
+                    errors.append(f"{page}:{line}: `{cmd}`: no stage {words[3]}")
+    assert parsed >= 10, "the docs' commands were not found: the block parser is broken"
+    assert not errors, "\n".join(errors)
+
+
+def test_a_command_that_does_not_parse_fails():
+    parser = REF.cli_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(shlex.split("materialize --budget 30"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(shlex.split("lineage --explain four"))
+
+
+def test_the_environment_reference_covers_what_the_package_reads():
+    found = REF.env_scan()
+    described = set(REF.ENV) | set(REF.INTERNAL)
+    assert {"EAGLE3_SSH_KEY_FILE", "EAGLE3_K8S_PVC", "EAGLE3_HOSTS", "EAGLE3_CPU_BF16"} <= set(found)
+    assert not set(found) - described, f"read by the package, not in docs/hooks/reference.py: {set(found) - described}"
+    assert not described - set(found), f"described, but no longer read by the package: {described - set(found)}"
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict_and_offline(tmp_path):
+    out = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for page in ("reference/settings", "reference/stages", "reference/metadata", "reference/cli",
+                 "reference/environment"):
+        assert (out / page / "index.html").is_file(), page
+    settings = (out / "reference" / "settings" / "index.html").read_text()
+    assert "ttt_steps" in settings and "time_budget_s" in settings
+    # nothing a page loads comes from elsewhere (no web fonts, no CDN)
+    for html in out.rglob("*.html"):
+        fetched = re.findall(r'<(?:link|script)[^>]+(?:href|src)="(https?://[^"]+)"', html.read_text())
+        assert not fetched, f"{html.relative_to(out)} loads {fetched}"
