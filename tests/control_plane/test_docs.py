@@ -1,6 +1,7 @@
-"""The docs hold to the code: every run-config key a page shows is a setting of that asset, every
-`eagle3-assets ...` command parses with the CLI's own parser, every `python bench/...` script exists, the
-environment-variable reference covers what the package reads, and the site builds offline with --strict."""
+"""The docs hold to the code: every run-config key a page shows is a setting of that asset, every hosts-file key
+a field of its host's kind, every `eagle3-assets ...` command parses with the CLI's own parser, every
+`python bench/...` script exists, the environment-variable reference covers what the package reads, and the
+site builds offline with --strict."""
 
 import importlib.util
 import re
@@ -74,6 +75,35 @@ def test_every_run_config_key_the_docs_show_is_a_setting():
     assert not errors, "\n".join(errors)
 
 
+def hosts_file_errors(text: str) -> list[str]:
+    """What in a hosts file (EAGLE3_HOSTS) is not a field of its host's kind."""
+    from eagle3_assets.hosts.pool import KINDS
+
+    doc = yaml.safe_load(text)
+    if not isinstance(doc, dict) or "hosts" not in doc:
+        return []
+    errors = []
+    for h in doc["hosts"]:
+        kind = h.get("kind")
+        if kind not in KINDS:
+            errors.append(f"host {h.get('name')!r}: kind {kind!r} is not one of {sorted(KINDS)}")
+            continue
+        errors += [f"host {h.get('name')!r} ({kind}): {key} is not a field" for key in h
+                   if key not in ("name", "kind", "storage") and key not in KINDS[kind].model_fields]
+    return errors
+
+
+def test_every_hosts_file_the_docs_show_has_real_fields():
+    found, errors = 0, []
+    for page, line, text in blocks("yaml"):
+        found += "hosts" in (yaml.safe_load(text) or {})
+        errors += [f"{page}:{line}: {e}" for e in hosts_file_errors(text)]
+    assert found >= 2, "the docs' hosts files were not found: the block parser is broken"
+    assert not errors, "\n".join(errors)
+    assert hosts_file_errors("hosts:\n  - {name: a, kind: ssh, host: x, workdri: /w}\n") == \
+        ["host 'a' (ssh): workdri is not a field"]
+
+
 def test_a_misspelt_key_fails():
     configs = REF.asset_configs()
     good = "ops:\n  eagle3_drafter:\n    config: {epochs: 3, ttt_steps: 7}\n"
@@ -118,10 +148,13 @@ def test_a_command_that_does_not_parse_fails():
 
 def test_the_environment_reference_covers_what_the_package_reads():
     found = REF.env_scan()
-    described = set(REF.ENV) | set(REF.INTERNAL)
+    listed = set(REF.ENV) | set(REF.INTERNAL)
     assert {"EAGLE3_SSH_KEY_FILE", "EAGLE3_K8S_PVC", "EAGLE3_HOSTS", "EAGLE3_CPU_BF16"} <= set(found)
-    assert not set(found) - described, f"read by the package, not in docs/hooks/reference.py: {set(found) - described}"
-    assert not described - set(found), f"described, but no longer read by the package: {described - set(found)}"
+    undescribed = set(found) - listed - set(REF.env_comments())
+    assert not undescribed, f"read by the package, described neither in docs/hooks/reference.py nor by a comment " \
+                            f"where defined: {sorted(undescribed)}"
+    assert not listed - set(found), f"described, but no longer read by the package: {sorted(listed - set(found))}"
+    assert "undocumented" not in REF.environment_page()
 
 
 @pytest.mark.slow
