@@ -6,6 +6,7 @@
 - reference/metadata.md: every asset's metadata keys, from the stages' Result models (what the other half reads)
   and a scan of the code that records the materialization.
 - reference/cli.md: `eagle3-assets --help` and each subcommand's, from the CLI's own parser.
+- reference/code.md: the map of the code, every module with the first line of its docstring.
 - reference/environment.md: the environment variables the product reads, found by scanning the package's source,
   described here or by the comment where the code defines them (tests/control_plane/test_docs.py fails on one
   with neither).
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "eagle3_assets"
-PAGES = ("settings", "stages", "metadata", "cli", "environment")
+PAGES = ("settings", "stages", "metadata", "cli", "environment", "code")
 
 
 # --- assets and their settings ------------------------------------------------------------------------------
@@ -353,6 +354,25 @@ def environment_page() -> str:
     for name in INTERNAL:
         if name in found:
             lines.append(f"| `{name}` | {_cell(INTERNAL[name])} | {', '.join(f'`{w}`' for w in found[name][:3])} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the map of the code ------------------------------------------------------------------------------------
+
+def code_page() -> str:
+    lines = ["# Map of the code", "",
+             "Generated at build time: every module of `eagle3_assets/` with the first sentence of its docstring. "
+             "The control plane is everything but `worker/`, `stages/` and `common/`; the worker is `worker/`; "
+             "`stages/` (the contracts) and `common/` (standard library only) are what both halves read "
+             "([Concepts](../concepts.md#control-plane-and-worker)).", ""]
+    folder = None
+    for path in sorted(PACKAGE.rglob("*.py"), key=lambda p: (p.parent.relative_to(PACKAGE).parts, p.name)):
+        if path.parent != folder:
+            folder = path.parent
+            lines += ["", f"## `{folder.relative_to(ROOT).as_posix()}/`", ""]
+        doc = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0].split())
+        first = re.split(r"(?<=\.)\s", doc, maxsplit=1)[0]
+        lines.append(f"- `{path.name}`" + (f": {_cell(first)}" if first else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -164,7 +164,7 @@ def test_the_site_builds_strict_and_offline(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for page in ("reference/settings", "reference/stages", "reference/metadata", "reference/cli",
-                 "reference/environment"):
+                 "reference/environment", "reference/code"):
         assert (out / page / "index.html").is_file(), page
     settings = (out / "reference" / "settings" / "index.html").read_text()
     assert "ttt_steps" in settings and "time_budget_s" in settings
