@@ -239,7 +239,8 @@ def cli_page() -> str:
 # --- environment variables -----------------------------------------------------------------------------------
 
 # What each variable the scan finds means. Product settings a user sets; then what the product sets for its own
-# child processes, and what other tools set, both read but not for a user to set.
+# child processes, and what other tools set, both read but not for a user to set. Only the variables the scan
+# finds are shown: an entry ahead of its code (or left after it) shows nothing.
 ENV = {
     "DAGSTER_HOME": "the Dagster instance (runs, lineage, schedules); the CLI defaults it to ./dagster_home",
     "EAGLE3_HOST_WORKDIR": "the local host's work directory (default `$DAGSTER_HOME/host-work`)",
