@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,19 +33,26 @@ class LocalGpuHost(GpuHost):
         Path(self.workdir).mkdir(parents=True, exist_ok=True)
         if self.require_gpus and stage in preflight.GPU_STAGES:
             self.check(context, gpus=True)
-        cmd = self.worker_command(self.python, stage, args)
-        with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=TempFileMessages(),
-                                   extras={"stage": stage}) as session:
-            # The worker stops itself if this process dies (kill -9 included): a retry never runs beside it.
-            env = {**os.environ, **self.env, **session.get_bootstrap_env_vars(), PARENT_ENV: str(os.getpid())}
-            # Its own process group, so that cancelling the run stops the worker and its children.
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            try:
-                rc = proc.wait()
-            except BaseException:
-                _terminate(proc)
-                raise
+        # the arguments in an owner-only file (mkstemp: mode 600), never on the command line, which every user of
+        # the machine can read (ps); removed once the worker has ended
+        fd, args_file = tempfile.mkstemp(prefix=f"{stage}-args-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(args, f)
+            cmd = [self.python, "-m", "eagle3_assets.worker", stage, "--workdir", self.workdir, "--args-file", args_file]
+            with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
+                                       message_reader=TempFileMessages(), extras={"stage": stage}) as session:
+                # The worker stops itself if this process dies (kill -9 included): a retry never runs beside it.
+                env = {**os.environ, **self.env, **session.get_bootstrap_env_vars(), PARENT_ENV: str(os.getpid())}
+                # Its own process group, so that cancelling the run stops the worker and its children.
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+                try:
+                    rc = proc.wait()
+                except BaseException:
+                    _terminate(proc)
+                    raise
+        finally:
+            os.remove(args_file)
         return stage_outcome(stage, rc, session)
 
     def check(self, context, gpus: bool, need_bytes: int | None = None) -> dict[str, Any]:

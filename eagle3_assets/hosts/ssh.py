@@ -29,7 +29,9 @@ from .base import GpuHost, StageRun, describe_exit, stage_outcome
 from .ssh_connection import Connection, EnvNameError, RemoteCommandError, SshError, SshTarget, is_link_error
 
 JOBS_MODULE = "eagle3_assets.worker.jobs"
+ARGS_FILE = "args.json"  # jobs.py's ARGS: the name it replaces with the file's path in the job's run directory
 UNREACHABLE = "host_unreachable"  # step-failure metadata: the host did not answer (not: the stage failed there)
+CONFIG_ERROR = "host_config_error"  # step-failure metadata: the host's settings are wrong; fix them, then run again
 
 
 class _RemoteMessages(dg.PipesMessageReader):
@@ -93,9 +95,11 @@ class SshGpuHost(GpuHost):
         try:
             return Connection(self._target(), warn)
         except SshError as e:
-            # a host that does not answer is marked so: the failover sensor moves its shard to another host
-            raise dg.Failure(description=str(e), allow_retries=not e.permanent,
-                             metadata={UNREACHABLE: not e.permanent}) from None
+            # a host that does not answer is marked so: the failover sensor moves its shard to another host. A config
+            # error (key file, passphrase, host key, login) is not a dead host: no retry, no failover
+            what = "the SSH host's settings are wrong" if e.config else "the SSH host did not answer"
+            raise dg.Failure(description=f"{what}: {e}", allow_retries=not e.permanent,
+                             metadata={UNREACHABLE: not e.permanent, CONFIG_ERROR: e.config}) from None
 
     @property
     def where(self) -> str:
@@ -200,8 +204,10 @@ class SshGpuHost(GpuHost):
                 env = {**self.env, **session.get_bootstrap_env_vars(), NO_BAR_ENV: "1", "PYTHONUNBUFFERED": "1"}
                 if info["code_dir"]:
                     env["PYTHONPATH"] = ":".join(p for p in (info["code_dir"], self.env.get("PYTHONPATH")) if p)
+                # the arguments go in the job's own args.json (owner-only; jobs.py puts its path for ARGS_FILE): a
+                # command line is readable by every user of the host (ps)
                 spec = {"argv": [self.python, "-m", "eagle3_assets.worker", stage, "--workdir", workdir,
-                                 "--args", json.dumps(args)],
+                                 "--args-file", ARGS_FILE], "args": args,
                         "env": env, "cwd": workdir, "stage": stage,
                         "attach_key": context.run.root_run_id or context.run_id,
                         # a finished job is reused only for the inputs it was made from, and the host files it

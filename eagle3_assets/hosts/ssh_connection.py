@@ -16,13 +16,17 @@ from dataclasses import dataclass
 import paramiko
 from fsspec.implementations.sftp import SFTPFileSystem
 
+from ..common.secrets import scrub, secret_kind
+
 
 class SshError(Exception):
-    """A connection problem with a message for the user. `permanent`: retrying will not help."""
+    """A connection problem with a message for the user. `permanent`: retrying will not help. `config`: the
+    host's settings are wrong (a key file, a passphrase, a host key), not the host: no retry, no failover."""
 
-    def __init__(self, message: str, permanent: bool):
-        super().__init__(message)
-        self.permanent = permanent
+    def __init__(self, message: str, permanent: bool, config: bool = False):
+        super().__init__(scrub(message))  # a message may quote what the user gave: never a secret in it
+        self.permanent = permanent or config
+        self.config = config
 
 
 # What a dropped or broken link raises mid-operation (FileNotFoundError etc. are answers, not drops).
@@ -75,15 +79,47 @@ def _fingerprint(key: paramiko.PKey) -> str:
     return key.fingerprint if hasattr(key, "fingerprint") else key.get_fingerprint().hex()
 
 
+def _looks_like_key_text(value: str) -> bool:
+    return "\n" in value or "-----BEGIN" in value or len(value) > 1024 or secret_kind(value) is not None
+
+
+def private_key(t: SshTarget) -> paramiko.PKey | None:
+    """key_file read here, before any connection, so that a wrong path, a wrong passphrase or key text where a path
+    goes fail as what they are (config errors naming the field), not as an unreachable host."""
+    if not t.key_file:
+        return None
+    if _looks_like_key_text(t.key_file):
+        raise SshError("key_file: this looks like key text, not a path (not shown): save the private key in a file "
+                       "only you can read (chmod 600 ~/.ssh/gpu_host_key) and set key_file to its path, or load it "
+                       "into the SSH agent (ssh-add) and leave key_file empty", permanent=True, config=True)
+    path = os.path.expanduser(t.key_file)
+    try:
+        return paramiko.PKey.from_path(path, t.key_passphrase.encode() if t.key_passphrase else None)
+    except OSError as e:
+        raise SshError(f"key_file {t.key_file}: {e.strerror or e} on the machine that runs the Dagster step: set key_file "
+                       "to the path of a private key there, readable by the user the step runs as",
+                       permanent=True, config=True) from None
+    except TypeError:  # cryptography: "password was not given but private key is encrypted"
+        raise SshError(f"key_file {t.key_file} is encrypted: set key_passphrase (through an environment variable, "
+                       "dg.EnvVar)", permanent=True, config=True) from None
+    except (ValueError, paramiko.SSHException) as e:
+        if t.key_passphrase:
+            raise SshError(f"key_file {t.key_file} could not be opened with key_passphrase: the passphrase is wrong "
+                           "(check the environment variable it comes from), or the file is not a private key",
+                           permanent=True, config=True) from None
+        raise SshError(f"key_file {t.key_file} is not a private key this SSH client reads ({e}): give the private "
+                       "half (not the .pub) of an ed25519, ECDSA or RSA key", permanent=True, config=True) from None
+
+
 def open_client(t: SshTarget, warn: Callable[[str], None]) -> paramiko.SSHClient:
+    pkey = private_key(t)
     client = paramiko.SSHClient()
     known = os.path.expanduser(t.known_hosts)
     if os.path.exists(known):
         client.load_host_keys(known)
     client.set_missing_host_key_policy(_WarnAndAccept(warn) if t.accept_unknown_host_key else paramiko.RejectPolicy())
     try:
-        client.connect(t.host, port=t.port, username=t.user, key_filename=os.path.expanduser(t.key_file) if t.key_file else None,
-                       passphrase=t.key_passphrase, password=t.password, allow_agent=t.allow_agent,
+        client.connect(t.host, port=t.port, username=t.user, pkey=pkey, password=t.password, allow_agent=t.allow_agent,
                        look_for_keys=t.key_file is None and t.password is None, timeout=t.timeout_s,
                        banner_timeout=t.timeout_s, auth_timeout=t.timeout_s, channel_timeout=t.timeout_s)
     except paramiko.BadHostKeyException as e:
@@ -92,23 +128,24 @@ def open_client(t: SshTarget, warn: Callable[[str], None]) -> paramiko.SSHClient
             f"the host key of {t.known_hosts_name} does not match {known}: it offered {e.key.get_name()} "
             f"{_fingerprint(e.key)}, known_hosts has {_fingerprint(e.expected_key)}. If the host was reinstalled, "
             f"remove the old entry (ssh-keygen -R '{t.known_hosts_name}' -f {known}) and add the new key after "
-            f"checking it; otherwise the connection may be intercepted", permanent=True) from None
-    except paramiko.PasswordRequiredException:
+            f"checking it; otherwise the connection may be intercepted", permanent=True, config=True) from None
+    except paramiko.PasswordRequiredException:  # one of ~/.ssh's keys (key_file is opened before connecting)
         client.close()
-        raise SshError(f"the key file {t.key_file} is encrypted: set key_passphrase (through an environment "
-                       f"variable, dg.EnvVar)", permanent=True) from None
+        raise SshError("a key in ~/.ssh is encrypted: set key_file to it and key_passphrase (through an environment "
+                       "variable, dg.EnvVar), or load it into the SSH agent (ssh-add)", permanent=True,
+                       config=True) from None
     except paramiko.AuthenticationException as e:
         client.close()
         how = f"key file {t.key_file}" if t.key_file else ("a password" if t.password else "the agent's and ~/.ssh keys")
         raise SshError(f"{t.where} refused authentication with {how} ({e}): check the user and that the key's "
-                       f"public half is in that user's ~/.ssh/authorized_keys", permanent=True) from None
+                       f"public half is in that user's ~/.ssh/authorized_keys", permanent=True, config=True) from None
     except paramiko.SSHException as e:
         client.close()
         if "not found in known_hosts" in str(e):
             raise SshError(
                 f"the host key of {t.known_hosts_name} is not in {known}: add it after checking its fingerprint "
                 f"(ssh-keyscan -p {t.port} {t.host} >> {known}), or set accept_unknown_host_key: true to accept "
-                f"it unverified", permanent=True) from None
+                f"it unverified", permanent=True, config=True) from None
         raise SshError(f"SSH to {t.where} failed: {e}", permanent=False) from None
     except (TimeoutError, OSError) as e:  # refused, unreachable, DNS, timeout
         client.close()

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..common import engines
+from ..common import engines, secrets
 
 # The engines' names (common/engines.py lists them from worker/engines/): every contract's engine choices, shown
 # by the launchpad and --help.
@@ -38,7 +38,20 @@ DTYPE_HELP = "auto: bfloat16 on a GPU or a CPU with bf16 instructions, else floa
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # hide_input_in_errors: a refused value (a secret, below) must not be quoted by the error that refuses it
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data):
+        """A run config is shown by the UI and kept with the run, and stage arguments reach the host: no secret
+        in either, by value anywhere, or by name in a mapping (a server's `env`)."""
+        if isinstance(data, dict):
+            found = [hit for field, value in data.items()
+                     for hit in secrets.find_secrets(value, str(field), names=isinstance(value, dict))]
+            if found:
+                raise ValueError(f"{'; '.join(found)} (not shown): {secrets.WHERE_SECRETS_GO}")
+        return data
 
 
 class EngineLaunch(Settings):

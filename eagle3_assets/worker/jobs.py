@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-SPEC, STATE, EXIT, LOG, MESSAGES = "job.json", "state.json", "exit.json", "log", "messages.jsonl"
+SPEC, STATE, EXIT, LOG, MESSAGES, ARGS = "job.json", "state.json", "exit.json", "log", "messages.jsonl", "args.json"
 
 
 def _path(rundir: str, name: str) -> str:
@@ -56,8 +56,9 @@ def _read_json(path: str):
 
 
 def _write_json(path: str, obj) -> None:
+    """Complete or absent, and readable by the owner only: a job's files name its arguments and environment."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -129,9 +130,11 @@ def launch(rundir: str, spec_file: str) -> dict:
             n += 1
         os.rename(rundir, f"{rundir}.attempt-{n}")
     os.makedirs(rundir)
-    with open(spec_file, "w") as f:  # with the sources' fingerprint as they are now, at the start
-        json.dump(spec, f)
-    os.replace(spec_file, _path(rundir, SPEC))
+    if "args" in spec:  # the stage's arguments: in an owner-only file the worker reads (--args-file), never in argv
+        _write_json(_path(rundir, ARGS), spec.pop("args"))
+        spec["argv"] = [_path(rundir, ARGS) if a == ARGS else a for a in spec["argv"]]
+    _write_json(_path(rundir, SPEC), spec)  # with the sources' fingerprint as they are now, at the start
+    os.remove(spec_file)
     pid = os.fork()
     if pid == 0:  # the supervisor: new session, stdio off the SSH channel
         code = 1

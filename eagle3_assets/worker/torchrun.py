@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 from .errors import StageError
 from .report import relayed
@@ -26,10 +27,17 @@ def run(stage: str, workdir: str, args_json: str, n: int, reporter, what: str,
     """`stage` on n processes; rank 0's reports relayed to `reporter`; a StageError naming `what` if any fails."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
     child_env.update({RELAY_ENV: "1", **(env or {})})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "eagle3_assets.worker", stage, "--workdir", workdir, "--args", args_json]
-    reporter.log(f"launching {what} on {n} processes: {' '.join(cmd[:8])} ...")
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, text=True)
+    # the ranks read the arguments from an owner-only file (mkstemp: mode 600), never from their command lines
+    with tempfile.NamedTemporaryFile("w", prefix=f"{stage}-args-", suffix=".json") as args_file:
+        args_file.write(args_json)
+        args_file.flush()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               "-m", "eagle3_assets.worker", stage, "--workdir", workdir, "--args-file", args_file.name]
+        reporter.log(f"launching {what} on {n} processes: {' '.join(cmd[:8])} ...")
+        _relay(subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, text=True), reporter, what)
+
+
+def _relay(proc: subprocess.Popen, reporter, what: str) -> None:
     error = failed = None
     for msg in relayed(proc.stdout):
         kind = msg.get("kind")
