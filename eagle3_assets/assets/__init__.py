@@ -12,10 +12,11 @@ from .prompts import prompts
 from .serving import serving_benchmark
 from .synthetic_prompts import synthetic_prompts
 from .target import target_model
+from .traffic import traffic
 from .vocab import vocab_mapping
 
 data_assets = [target_model, prompts, synthetic_prompts, conversations, hidden_state_shards, vocab_mapping]
 drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
-serving_assets = [serving_benchmark, benchmark_history, benchmark_regression]
+serving_assets = [serving_benchmark, benchmark_history, benchmark_regression, traffic]
 integration_assets = [integration_drafter, integration_check]
 all_assets = data_assets + integration_assets + drafter_assets + serving_assets + [host_preflight]

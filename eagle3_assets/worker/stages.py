@@ -21,6 +21,7 @@ STAGES = {
     "generate": _lazy("data.generate"),
     "vocab": _lazy("data.vocab"),
     "synthesize": _lazy("data.synthesize"),
+    "traffic_sample": _lazy("data.traffic_sample"),
     "extract": _lazy("hidden_states.extract"),
     "integration_data": _lazy("hidden_states.integration_data"),
     "train": _lazy("training.trainer"),

@@ -1,0 +1,240 @@
+"""The serving gateway's request logs, one day at a time, for the `traffic` asset: read, placed in their day, sampled
+and redacted on the Dagster machine, so that only redacted text goes further.
+
+What is read: files of one request per line (.jsonl or .ndjson, optionally .gz; .json and .parquet files are read
+too, as the `prompts` asset reads them), from local paths or fsspec URLs, globs allowed (`s3://logs/gw-*.jsonl.gz`).
+A line is an OpenAI chat-completions request body (`{"model": ..., "messages": [...]}`), or a gateway's record
+holding it under `body` or `request` (as an object, or as the body's JSON text), beside a timestamp. The messages
+are read by the `prompts` asset's rules (prompt_sources.py: text content parts joined, a bad line named by file
+and line), with what chat traffic adds: role `developer` is a system turn, `tool` and `function` results are
+dropped (the target answers the user, not a tool call), and so are the assistant turns emptied by that.
+
+The day: the record's first field of `timestamp_fields` that is present, as epoch seconds (a number, or digits in
+a string) or an ISO 8601 time (`2026-12-02T10:00:00Z`, `...+01:00`; a time without an offset is UTC); the
+partition's window (UTC days unless the partitions' time zone is set) decides. A request with no timestamp is
+placed by the date in its file's name (`gateway-2026-12-02.jsonl`, `20261202`); with none there either, it is a
+bad record. A file whose name carries a date more than a day away from the partition's is not opened.
+
+The sample: every request of the day is ranked by a hash of the seed and its turns (stable: the same logs give the
+same sample, and more requests never swap out a kept one for one ranked after it); exact repeats are dropped as the
+candidates are chosen; only the first `keep` by rank are held in memory and redacted (redact.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from pathlib import PurePosixPath
+
+import fsspec
+
+from .prompt_sources import Conversation, LoadStats, PromptError, _kind, clean, iter_records, to_messages
+from .redact import Redactor
+
+TIMESTAMP_FIELDS = ["timestamp", "time", "created", "created_at", "start_time"]
+BODY_FIELDS = ("body", "request")
+ROLE_ALIASES = {"developer": "system"}
+TOOL_ROLES = {"tool", "function", "ipython"}
+_NAME_DATE = re.compile(r"(?<!\d)(\d{4})-?(\d{2})-?(\d{2})(?!\d)")
+_MAX_EPOCH = 7_258_118_400  # 2200-01-01: a larger number is milliseconds or nanoseconds, not seconds
+
+
+class TrafficError(PromptError):
+    """Bad traffic input or settings; the message names the file, the line and the fix, never a raw value."""
+
+
+@dataclass
+class TrafficStats(LoadStats):
+    files_read: list[str] = field(default_factory=list)
+    files_skipped_by_name: int = 0
+    in_day: int = 0
+    other_days: Counter = field(default_factory=Counter)  # date -> requests
+    placed_by_file_name: int = 0
+    no_user_message: int = 0
+    tool_messages_dropped: int = 0
+    exact_duplicates: int = 0
+    redacted: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class Candidate:
+    rank: int
+    conv: Conversation
+    timestamp: float | None
+
+
+def expand(sources: list[str]) -> list[str]:
+    """Each source as the files it names: a glob by fsspec's own matching (sorted), a plain path or URL as itself."""
+    out = []
+    for source in sources:
+        try:
+            fs, _, paths = fsspec.get_fs_token_paths(source)
+        except (ImportError, ValueError) as e:  # an unknown protocol, or its backend not installed
+            raise TrafficError(f"traffic source {source!r}: {e}: use a local path or a URL fsspec reads (s3://, "
+                               "gs://, ... with its backend installed on the Dagster machine)") from None
+        glob = any(c in source for c in "*?[")
+        if not paths or (not glob and not fs.exists(paths[0])):
+            raise TrafficError(f"traffic source {source!r} {'matches no file' if glob else 'not found'}: check the "
+                               "traffic asset's `sources` (or EAGLE3_TRAFFIC_LOGS); paths and globs are read on the "
+                               "Dagster machine")
+        out += [source] if not glob else [p if "://" not in source else fs.unstrip_protocol(p) for p in sorted(paths)]
+    return out
+
+
+def name_date(url: str) -> date | None:
+    for m in _NAME_DATE.finditer(PurePosixPath(url).name):
+        try:
+            return date(int(m[1]), int(m[2]), int(m[3]))
+        except ValueError:
+            continue
+    return None
+
+
+def request_time(rec: dict, fields: list[str], place: str) -> datetime | None:
+    """The first of `fields` present in the record, as an aware datetime; None when none is."""
+    for f in fields:
+        v = rec.get(f)
+        if v is None:
+            continue
+        if isinstance(v, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", v):
+            v = float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not math.isfinite(v) or not 0 <= v < _MAX_EPOCH:
+                raise TrafficError(f"{place}: {f} {v!r} is not epoch seconds (past the year 2200: milliseconds? "
+                                   "write seconds, or an ISO 8601 time); fix the gateway's log, or set "
+                                   "on_bad_record='skip'")
+            return datetime.fromtimestamp(v, timezone.utc)
+        if isinstance(v, str):
+            s = v.strip()
+            try:
+                t = datetime.fromisoformat(s[:-1] + "+00:00" if s[-1:] in "Zz" and s else s)
+            except ValueError:
+                raise TrafficError(f"{place}: {f} {v[:40]!r} is neither epoch seconds nor an ISO 8601 time (like "
+                                   "2026-12-02T10:00:00Z); fix the gateway's log, or set on_bad_record='skip'") from None
+            return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+        raise TrafficError(f"{place}: {f} is {_kind(v)}: expected epoch seconds or an ISO 8601 time; fix the "
+                           "gateway's log, or set on_bad_record='skip'")
+    return None
+
+
+def request_body(rec: dict, place: str) -> dict:
+    """The chat-completions body: the record itself, or what a gateway's record holds under `body` / `request`."""
+    for k in BODY_FIELDS:
+        b = rec.get(k)
+        if isinstance(b, str):
+            try:
+                b = json.loads(b)
+            except json.JSONDecodeError as e:
+                raise TrafficError(f"{place}: {k!r} is text that is not a JSON request body ({e.msg} at column "
+                                   f"{e.colno}); fix that line, or set on_bad_record='skip'") from None
+        if isinstance(b, dict):
+            return b
+    return rec
+
+
+def request_messages(body: dict, place: str, stats: TrafficStats) -> list[dict]:
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
+        kept = [m for m in msgs if str(m.get("role")).lower() not in TOOL_ROLES]
+        stats.tool_messages_dropped += len(msgs) - len(kept)
+        body = {"messages": [{**m, "role": ROLE_ALIASES.get(str(m.get("role")).lower(), m.get("role"))}
+                             for m in kept]}
+    return to_messages(body, place)
+
+
+def read_day(sources: list[str], start: datetime, end: datetime, *, seed: int, keep: int, max_user_turns: int,
+             on_bad_record: str, timestamp_fields: list[str], stats: TrafficStats,
+             redactor: Redactor) -> list[Candidate]:
+    """The `keep` requests of [start, end) ranked first, each a conversation of raw text (held here only), in
+    rank order. A bad record fails (a TrafficError whose message is redacted) or, with on_bad_record 'skip', is
+    counted and its redacted problem kept in `stats.problems`."""
+    day = start.date()
+    pool: dict[str, Candidate] = {}
+    heap: list[tuple[int, str]] = []  # (-rank, key): the worst-ranked candidate on top
+    for url in expand(sources):
+        named = name_date(url)
+        if named is not None and abs((named - day).days) > 1:
+            stats.files_skipped_by_name += 1
+            continue
+        stats.files_read.append(url)
+        try:
+            for place, rec in iter_records(url):
+                stats.records += 1
+                try:
+                    cand = _candidate(place, rec, named, start, end, seed, max_user_turns, timestamp_fields, stats)
+                except PromptError as e:
+                    if on_bad_record != "skip":
+                        raise
+                    stats.bad_records_skipped += 1
+                    stats.problems.append(redactor.redact(str(e))[0])
+                    continue
+                if cand is None:
+                    continue
+                key = cand.conv.key
+                if key in pool:
+                    stats.exact_duplicates += 1
+                elif len(heap) < keep:
+                    heapq.heappush(heap, (-cand.rank, key))
+                    pool[key] = cand
+                elif cand.rank < -heap[0][0]:
+                    del pool[heapq.heapreplace(heap, (-cand.rank, key))[1]]
+                    pool[key] = cand
+        except PromptError as e:  # its text may quote a value of the log: only the redacted one goes on
+            raise TrafficError(redactor.redact(str(e))[0]) from None
+    return sorted(pool.values(), key=lambda c: c.rank)
+
+
+def _candidate(place: str, rec, named: date | None, start: datetime, end: datetime, seed: int,
+               max_user_turns: int, fields: list[str], stats: TrafficStats) -> Candidate | None:
+    if isinstance(rec, PromptError):  # a line that is not a record (bad bytes, malformed JSON)
+        raise rec
+    if not isinstance(rec, dict):
+        to_messages(rec, place)  # raises, naming what the line holds
+    t = request_time(rec, fields, place)
+    if t is None:
+        if named is None:
+            raise TrafficError(f"{place}: no timestamp (none of the fields {fields}) and the file's name carries no "
+                               "date (like gateway-2026-12-02.jsonl): the request's day is unknown. Log a timestamp, "
+                               "name the files by day, set timestamp_fields, or set on_bad_record='skip'")
+        in_day, when = named == start.date(), None
+        stats.placed_by_file_name += in_day
+    else:
+        in_day, when = start <= t < end, t.timestamp()
+    if not in_day:
+        stats.other_days[str(t.astimezone(start.tzinfo).date() if t else named)] += 1
+        return None
+    stats.in_day += 1
+    msgs = request_messages(request_body(rec, place), place, stats)
+    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
+        stats.no_user_message += 1  # a tool round or a system-only call: traffic, but no prompt to answer
+        return None
+    msgs = clean(msgs, place, max_user_turns, sys.maxsize, stats)  # truncated after redaction (a cut key leaks)
+    conv = Conversation(id="", source="traffic", messages=msgs)
+    rank = int(hashlib.sha256(f"{seed}\0{conv.key}".encode()).hexdigest()[:16], 16)
+    return Candidate(rank, conv, when)
+
+
+def redacted_rows(cands: list[Candidate], redactor: Redactor, max_message_chars: int,
+                  stats: TrafficStats) -> list[dict]:
+    """The candidates as the stage reads them: each message redacted, then cut to max_message_chars; the id a hash
+    of the redacted turns (no gateway id is kept: it may carry anything)."""
+    rows = []
+    for c in cands:
+        msgs = []
+        for m in c.conv.messages:
+            text, found = redactor.redact(m["content"])
+            stats.redacted.update(found)
+            if len(text) > max_message_chars:
+                text = text[:max_message_chars]
+                stats.messages_truncated += 1
+            msgs.append({"role": m["role"], "content": text})
+        conv = Conversation(id="", source=c.conv.source, messages=msgs)
+        rows.append({"id": conv.key[:16], "source": conv.source, "messages": msgs,
+                     "num_user_turns": sum(m["role"] == "user" for m in msgs), "timestamp": c.timestamp})
+    return rows

@@ -1,0 +1,92 @@
+"""Stage `traffic_sample`: a day of served prompts (the `traffic` asset's partition), redacted before they reached
+this host, cut to `max_prompts` free of near duplicates (data/dedup.py, as synthetic prompts are): the candidates
+come in the seeded order of the control plane's sample, and each is kept unless it nearly repeats a held-out prompt
+or one kept before it. Each kept prompt carries the cheap keys a report groups traffic by: the length of its user
+text (a bucket) and the first words of its last user turn."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..files import atomic_file, require_file, resolve
+from .dedup import NearDuplicates, normal
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.traffic_sample import TrafficSampleArgs
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+SCHEMA = pa.schema([  # the prompts asset's four columns first: conversations reads a partition as prompts
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("messages", MESSAGES),
+    ("num_user_turns", pa.int32()),
+    ("timestamp", pa.float64()),  # epoch seconds; null when the request had none (placed by its file's date)
+    ("user_chars", pa.int32()),
+    ("length_bucket", pa.string()),
+    ("first_words", pa.string()),
+])
+BUCKETS = ((256, "<256"), (1024, "256-1k"), (4096, "1k-4k"))  # characters of user text; longer: "4k+"
+FIRST_WORDS = 3
+
+
+def user_text(messages: list[dict]) -> str:
+    return "\n".join(m["content"] for m in messages if m["role"] == "user")
+
+
+def length_bucket(chars: int) -> str:
+    return next((name for limit, name in BUCKETS if chars < limit), "4k+")
+
+
+def first_words(messages: list[dict]) -> str:
+    last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    return " ".join(normal(last).split()[:FIRST_WORDS])
+
+
+def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
+    cand_path = require_file(resolve(workdir, args.candidates), "the day's redacted traffic candidates",
+                             "materialize the traffic partition again (the control plane uploads them)")
+    held = [require_file(resolve(workdir, p), "held-out prompts", "materialize prompts first") for p in args.held_out]
+    candidates = pq.read_table(cand_path).to_pylist()
+    dedup, held_count = NearDuplicates(args.dedup_threshold), 0
+    for p in held:
+        for i, r in enumerate(pq.read_table(p, columns=["messages"]).to_pylist()):
+            dedup.add(f"held:{p.name}:{i}", user_text(r["messages"]))
+            held_count += 1
+    kept, dropped, examined = [], Counter(), 0
+    for c in candidates:
+        if len(kept) >= args.max_prompts:
+            break
+        examined += 1
+        text = user_text(c["messages"])
+        near = dedup.near(text)
+        if near:
+            dropped["of_held_out" if near[0].startswith("held:") else "within"] += 1
+            continue
+        dedup.add(f"kept:{len(kept)}", text)
+        chars = len(text)
+        kept.append({"id": c["id"], "source": c["source"], "messages": c["messages"],
+                     "num_user_turns": c["num_user_turns"], "timestamp": c["timestamp"], "user_chars": chars,
+                     "length_bucket": length_bucket(chars), "first_words": first_words(c["messages"])})
+    out = resolve(workdir, args.out)
+    with atomic_file(out, fsync=True) as tmp:
+        pq.write_table(pa.Table.from_pylist(kept, schema=SCHEMA), tmp)
+    Path(cand_path).unlink()  # redacted, but nothing reads it again
+    version = hashlib.sha256(json.dumps([[r["id"], r["messages"]] for r in kept], ensure_ascii=False).encode())
+    reporter.log(f"traffic sample: {len(kept)} of {len(candidates)} candidates kept ({examined} examined); near "
+                 f"duplicates dropped: {dropped['within']} of each other, {dropped['of_held_out']} of the "
+                 f"{held_count} held-out prompts")
+    reporter.materialize(metadata={
+        "path": str(out), "prompts": len(kept), "candidates": len(candidates), "candidates_examined": examined,
+        "near_duplicates_within": dropped["within"], "near_duplicates_of_held_out": dropped["of_held_out"],
+        "held_out_prompts": held_count, "dedup_threshold": args.dedup_threshold,
+        "by_length_bucket": dict(Counter(r["length_bucket"] for r in kept)),
+        "preview": "\n".join(f"- {r['first_words']!r}: {user_text(r['messages'])[:100]!r}" for r in kept[:5]),
+        "dagster/row_count": len(kept),
+    }, data_version=version.hexdigest()[:32])
