@@ -283,6 +283,8 @@ ENV = {
     "EAGLE3_TRAFFIC_LOGS": "the serving-traffic log sources when the config names none: comma-separated paths, URLs, globs",
     "EAGLE3_TRAFFIC_START": "the first day a traffic backfill can ask for (read as the code location loads)",
     "EAGLE3_TRAFFIC_TIMEZONE": "where the traffic partitions' days begin (default UTC)",
+    "EAGLE3_SERVERS": "a YAML file of the production servers whose acceptance the serving eye reads (each with its "
+                      "engine and, where the server does not tell, the drafter it serves)",
 }
 INTERNAL = {
     "EAGLE3_REPORT_JSONL": "set by the product: a rank under torchrun reports as JSON lines its launcher relays",
