@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +36,7 @@ HOST_TAG = "eagle3/host"  # the run's host; the run queue limits runs per value 
 HOSTS_ENV = "EAGLE3_HOSTS"
 KINDS = {"local": LocalGpuHost, "ssh": SshGpuHost, "k8s": K8sHost}
 DATA_VERSION_TAG = "dagster/data_version"
+GUIDE = "docs/guides/scale-out.md, 'Several hosts'"
 
 
 @dataclass(frozen=True)
@@ -45,55 +46,106 @@ class Member:
     storage: str  # hosts naming the same storage see the same work directory (a shared filesystem)
 
 
-def _hosts_list(path: str) -> list[dict]:
+def _where(path: str) -> str:
+    """The hosts file as its errors name it: its path, and the variable that named it when one did."""
+    named = os.environ.get(HOSTS_ENV)
+    from_env = bool(named) and Path(named).expanduser() == Path(path).expanduser()
+    return f"hosts file {path}" + (f" ({HOSTS_ENV})" if from_env else "")
+
+
+def _load(path: str) -> tuple[Any, list[dict[str, int]]]:
+    """The hosts file's YAML, and for each host under `hosts:` the line it begins on ("") and each key's line."""
+    where = _where(path)
     try:
-        data = yaml.safe_load(Path(path).expanduser().read_text())
+        text = Path(path).expanduser().read_text()
     except FileNotFoundError:
-        raise ValueError(f"{HOSTS_ENV}={path}: no such file (a YAML file listing the hosts: see the README's "
-                         "'Several hosts')") from None
+        raise ValueError(f"{where}: no such file (a YAML file listing the hosts: {GUIDE})") from None
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    try:
+        data, root = yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:  # the line and column, never the text there (it may hold a password)
+        m, c = e.problem_mark, e.context_mark
+        at = f"line {m.line + 1}, column {m.column + 1}" if m else "somewhere"
+        context = f" ({e.context}, line {c.line + 1}, column {c.column + 1})" if e.context and c else ""
+        raise ValueError(f"{where} is not valid YAML: {at}: {e.problem or e.context}{context}. Fix it there "
+                         f"({GUIDE} shows the form)") from None
+    except yaml.YAMLError as e:  # a character YAML refuses (ReaderError): where it is
+        line = text[: getattr(e, "position", 0)].count("\n") + 1
+        raise ValueError(f"{where} is not valid YAML: line {line}: {getattr(e, 'reason', e)}") from None
+    lines: list[dict[str, int]] = []
+    if isinstance(root, yaml.MappingNode):
+        seq = next((v for k, v in root.value if k.value == "hosts"), None)
+        for node in seq.value if isinstance(seq, yaml.SequenceNode) else []:
+            keys = node.value if isinstance(node, yaml.MappingNode) else []
+            lines.append({"": node.start_mark.line + 1,
+                          **{str(k.value): k.start_mark.line + 1 for k, _ in keys if isinstance(k, yaml.ScalarNode)}})
+    return data, lines
+
+
+def _checked(path: str) -> tuple[list[dict], Callable[[int, str], str]]:
+    """The hosts, checked but their settings unread, and where host i's (from 0) setting `key` is in the file."""
+    data, lines = _load(path)
+    where = _where(path)
+
+    def at(i: int, key: str = "") -> str:
+        ln = lines[i].get(key, lines[i][""]) if i < len(lines) else None
+        return f"{where}, line {ln}" if ln else where
+
     hosts = (data or {}).get("hosts") if isinstance(data, dict) else None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, dict) for h in hosts):
-        raise ValueError(f"{path}: expected `hosts:` with a list of hosts, each a mapping with name, kind "
+        raise ValueError(f"{where}: expected `hosts:` with a list of hosts, each a mapping with name, kind "
                          f"({' or '.join(KINDS)}) and workdir")
     names = [str(h.get("name", "")) for h in hosts]
     for i, n in enumerate(names):
         try:
             plain_name(n)
         except ValueError as e:
-            raise ValueError(f"{path}: host {i + 1}: name {e}") from None
+            raise ValueError(f"{at(i, 'name')}: host {i + 1}: name {e}") from None
     doubled = sorted({n for n in names if names.count(n) > 1})
     if doubled:
-        raise ValueError(f"{path}: host names must differ; {doubled} appear more than once")
-    for h in hosts:
+        raise ValueError(f"{where}: host names must differ; {doubled} appear more than once")
+    for i, h in enumerate(hosts):
         if h.get("kind") not in KINDS:
-            raise ValueError(f"{path}: host {h['name']!r}: kind {h.get('kind')!r} is not one of {sorted(KINDS)}")
-    return hosts
-
-
+            raise ValueError(f"{at(i, 'kind')}: host {h['name']!r}: kind {h.get('kind')!r} is not one of "
+                             f"{sorted(KINDS)}")
+        odd = [k for k in h if not isinstance(k, str)]
+        if odd:
+            raise ValueError(f"{at(i)}: host {h['name']!r}: {odd[0]!r} is not a setting's name")
+    return hosts, at
 def host_names(path: str) -> list[str]:
     """The pool's host names in order (the first is where unpartitioned work runs), checked, secrets unread."""
-    return [h["name"] for h in _hosts_list(path)]
+    return [h["name"] for h in _checked(path)[0]]
 
 
-def _resolve(name: str, key: str, value: Any) -> Any:
+def _resolve(where: str, name: str, key: str, value: Any) -> Any:
     """`{env: VAR}` -> the variable's value, read when a run starts: secrets stay out of the file and the UI."""
     if isinstance(value, dict) and set(value) == {"env"}:
         var = value["env"]
+        if not isinstance(var, str) or not var:
+            raise ValueError(f"{where}: host {name!r}: {key}: {{env: ...}} takes the name of an environment "
+                             f"variable, not a {type(var).__name__}")
         if var not in os.environ:
-            raise ValueError(f"host {name!r}: {key} is read from ${var}, which is not set")
+            raise ValueError(f"{where}: host {name!r}: {key} is read from ${var}, which is not set: set it in the "
+                             "environment Dagster runs in")
         return os.environ[var]
     return value
 
 
 def _members(path: str) -> list[Member]:
     out = []
-    for h in _hosts_list(path):
-        fields = {k: _resolve(h["name"], k, v) for k, v in h.items() if k not in ("name", "kind", "storage")}
+    hosts, at = _checked(path)
+    for i, h in enumerate(hosts):
+        fields = {k: _resolve(at(i, k), h["name"], k, v) for k, v in h.items() if k not in ("name", "kind", "storage")}
         try:
             host = KINDS[h["kind"]](**fields)
         except ValidationError as e:
-            bad = "; ".join(f"{'.'.join(map(str, x['loc'])) + ': ' if x['loc'] else ''}{x['msg']}" for x in e.errors())
-            raise ValueError(f"{path}: host {h['name']!r} ({h['kind']}): {bad}") from None
+            errors = e.errors()
+            bad = "; ".join(f"{'.'.join(map(str, x['loc'])) + ': ' if x['loc'] else ''}{x['msg']}" for x in errors)
+            first = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else ""
+            raise ValueError(f"{at(i, first)}: host {h['name']!r} ({h['kind']}): {bad}") from None
         out.append(Member(h["name"], host, str(h.get("storage") or h["name"])))
     return out
 

@@ -2,23 +2,25 @@
 team drives it: a real Dagster instance with the shipped run-queue limits, the real daemon (run queue, the
 failover sensor), a backfill launched with Dagster's own CLI. Shards spread over the hosts, one at a time per
 host; training on the first host pulls the other's shards; a host that stops answering mid-backfill fails its
-shard naming it, and the sensor moves that shard to the host that still answers."""
+shard naming it, and the sensor moves that shard to the host that still answers. A hosts file a user got wrong
+is refused as the code location loads, naming the file, EAGLE3_HOSTS and the line."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+from pathlib import Path
 
 import dagster as dg
 import pytest
+import yaml
 
 from conftest import TINY_TRAIN, failure_text
 from eagle3_assets.failover import FAILED_HOSTS_TAG, FAILOVER_OF_TAG
 from eagle3_assets.hosts import HOST_TAG
+from eagle3_assets.hosts.pool import HOSTS_ENV
 from pool_harness import PREPARE, TERMINAL, Pool, host_timeline
-
-pytestmark = pytest.mark.slow  # a daemon and run workers that each load the code location
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def pool(tmp_path_factory):
             s.stop()
 
 
+@pytest.mark.slow  # a daemon and run workers that each load the code location
 def test_backfill_spreads_over_two_hosts_one_at_a_time_and_training_reads_all(pool):
     t0 = pool.backfill()
     runs = pool.wait(lambda: (rs := pool.runs_since(t0, "extract_hidden_states")) and len(rs) == 4
@@ -77,6 +80,7 @@ def test_backfill_spreads_over_two_hosts_one_at_a_time_and_training_reads_all(po
     assert drafter["train_tokens_per_epoch"] == tokens, (drafter["train_tokens_per_epoch"], tokens)
 
 
+@pytest.mark.slow
 def test_host_that_stops_answering_mid_backfill_fails_its_shard_and_the_rest_complete(pool):
     b = pool.servers["b"]
     t0 = pool.backfill()
@@ -123,3 +127,45 @@ def test_host_that_stops_answering_mid_backfill_fails_its_shard_and_the_rest_com
     # the killed job published nothing: b's shards are the complete ones of the first backfill
     for shard in (pool.workdirs["b"] / "hidden_states").glob("shard-*"):
         assert (shard / "manifest.json").stat().st_mtime < t0, f"{shard} was published after host b was stopped"
+
+
+def _load_from_env(monkeypatch, path: Path):
+    """What the code location does with EAGLE3_HOSTS as it loads, then as a run starts (each host built)."""
+    from eagle3_assets.definitions import gpu_host_from_env
+
+    monkeypatch.setenv(HOSTS_ENV, str(path))
+    return gpu_host_from_env().members()
+
+
+GOOD = {"name": "a", "kind": "local", "workdir": "/tmp/eagle3-a", "require_gpus": False}
+
+
+def test_invalid_yaml_in_the_hosts_file_names_the_file_the_variable_and_the_line(tmp_path, monkeypatch):
+    path = tmp_path / "hosts.yaml"
+    path.write_text("hosts:\n  - name: a\n    kind: [local\n    workdir: /tmp/eagle3-a\n")
+    with pytest.raises(ValueError) as e:
+        _load_from_env(monkeypatch, path)
+    msg = str(e.value)
+    assert f"hosts file {path} ({HOSTS_ENV}) is not valid YAML: line 4, column 12" in msg, msg
+    assert "flow sequence, line 3, column 11" in msg and "<unicode string>" not in msg, msg
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"hosts:\n  - {name: a, kind: local, workdir: /tmp/x}\n  - name: b\n    kind: sssh\n",
+     "line 4: host 'b': kind 'sssh' is not one of"),
+    (yaml.safe_dump({"hosts": [GOOD, {**GOOD, "name": "b", "require_gpus": "perhaps"}]}).encode(),
+     "line 8: host 'b' (local): require_gpus: Input should be a valid boolean"),
+    (yaml.safe_dump({"hosts": [{**GOOD, "workdir": {"env": "EAGLE3_TEST_UNSET_VAR"}}]}).encode(),
+     "host 'a': workdir is read from $EAGLE3_TEST_UNSET_VAR, which is not set"),
+    (yaml.safe_dump({"hosts": [{**GOOD, 7: "x"}]}).encode(), "line 2: host 'a': 7 is not a setting's name"),
+    (b"hosts:\n  - name: caf\xe9\n", "is not UTF-8 text (byte 20)"),
+    (b"hosts:\n  - name: a\x07\n", "is not valid YAML: line 2"),
+    (None, "cannot be read: Is a directory"),
+])
+def test_every_hosts_file_error_names_the_file_and_the_variable(tmp_path, monkeypatch, content, says):
+    path = tmp_path / "hosts.yaml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    monkeypatch.delenv("EAGLE3_TEST_UNSET_VAR", raising=False)
+    with pytest.raises(ValueError) as e:
+        _load_from_env(monkeypatch, path)
+    assert f"hosts file {path} ({HOSTS_ENV})" in str(e.value) and says in str(e.value), str(e.value)
