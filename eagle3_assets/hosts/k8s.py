@@ -21,6 +21,7 @@ from typing import Any
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from ..common.secrets import secret_kind
 from ..common.worker_env import NO_BAR_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
@@ -31,6 +32,13 @@ GPU = "nvidia.com/gpu"  # the NVIDIA device plugin's resource
 CONTAINER = "eagle3-worker"
 WORKDIR_VOLUME = "workdir"
 SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # DNS-1123 subdomain
+# The names the API server validates (apimachinery's validation): what the config names, checked when it is loaded
+# rather than refused by the cluster at the first stage's pod
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+_LABEL_RULE = "at most 63 characters, lowercase letters, digits and '-', beginning and ending with a letter or digit"
+_SUBDOMAIN_RULE = ("at most 253 characters, lowercase letters, digits, '-' and '.', each part between dots beginning "
+                   "and ending with a letter or digit")
 LOOKS_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE", re.IGNORECASE)
 
 # The preflight probe run in a pod: the probe prints its JSON answer, and a pod's stdout does not come back
@@ -43,6 +51,18 @@ with open_dagster_pipes() as pipes:
         exec(compile({preflight.PROBE_SOURCE!r}, "probe.py", "exec"), {{"__name__": "__main__"}})
     pipes.report_custom_message({{"kind": "result", "payload": json.loads(out.getvalue())}})
 """
+
+
+def _checked_name(field: str, value: str, rule: re.Pattern, most: int, words: str, empty: bool = True) -> str:
+    """`value` if the API server would accept it as `rule` allows, else an error naming field, value and rule."""
+    if (value or empty) and len(value) <= most and rule.fullmatch(value):
+        return value
+    size = f" ({len(value)} characters)" if len(value) > most else ""
+    kind = secret_kind(value)  # a token put in the wrong field stays out of the error
+    shown = f"(not shown: it looks like {kind})" if kind else repr(value if len(value) <= 64 else value[:60] + "...")
+    fix = re.sub(r"[^a-z0-9]+", "-", value.lower()).strip("-")[:most].rstrip("-")  # the nearest name it allows
+    hint = f" (e.g. {fix!r})" if fix and fix != value and rule.fullmatch(fix) and not kind else ""
+    raise ValueError(f"Kubernetes would refuse {field} {shown}{size}: it must be {words}{hint}")
 
 
 class K8sHost(GpuHost):
@@ -91,6 +111,40 @@ class K8sHost(GpuHost):
             fix = {"image": "the worker image, e.g. registry.example.com/eagle3-worker:0.1.0 (README: Kubernetes)",
                    "pvc": "the name of a ReadWriteMany PersistentVolumeClaim in the namespace (README: Kubernetes)"}
             raise ValueError(f"{info.field_name} is required: {fix[info.field_name]}")
+        return v
+
+    @field_validator("namespace", "pvc", "service_account")
+    @classmethod
+    def _object_name(cls, v: str | None, info) -> str | None:
+        if v is None or (info.field_name == "pvc" and not v):  # none: the default; no pvc: `_needed` says so
+            return v
+        if info.field_name == "namespace":
+            return _checked_name("namespace", v, DNS_LABEL, 63, f"a DNS-1123 label: {_LABEL_RULE}")
+        what = {"pvc": "a PersistentVolumeClaim", "service_account": "a ServiceAccount"}[info.field_name]
+        return _checked_name(info.field_name, v, SECRET_NAME, 253, f"the name of {what}, a DNS-1123 subdomain: "
+                                                                   f"{_SUBDOMAIN_RULE}")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secret_names(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            _checked_name(f"image_pull_secrets[{i}]", name, SECRET_NAME, 253,
+                          f"the name of a Secret, a DNS-1123 subdomain: {_SUBDOMAIN_RULE}")
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _node_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            prefix, _, name = key.rpartition("/")
+            if prefix:
+                _checked_name(f"node_selector key {key!r}: its prefix", prefix, SECRET_NAME, 253,
+                              f"a DNS-1123 subdomain: {_SUBDOMAIN_RULE}")
+            _checked_name(f"node_selector key {key!r}: its name", name, LABEL_VALUE, 63,
+                          "a label name: 1 to 63 letters, digits, '-', '_' and '.', beginning and ending with a "
+                          "letter or digit, after an optional DNS-subdomain prefix and '/'", empty=False)
+            _checked_name(f"node_selector.{key}", value, LABEL_VALUE, 63, "a label value: empty, or at most 63 "
+                          "letters, digits, '-', '_' and '.', beginning and ending with a letter or digit")
         return v
 
     @field_validator("secrets", mode="before")

@@ -106,11 +106,15 @@ def hosts_file(tmp_path: Path, **k8s) -> str:
 
 
 def test_pool_file_with_kind_k8s_builds_a_k8s_host(tmp_path):
-    pool = HostPool(hosts_file=hosts_file(tmp_path, image="reg/w:1", pvc="eagle3-work", gpus=4, secrets=["hf-token"]))
+    names = {"namespace": "ml-team", "service_account": "eagle3-runner", "image_pull_secrets": ["regcred"],
+             "node_selector": {"node.kubernetes.io/instance-type": "p5.48xlarge", "gpu": ""}}  # names Kubernetes takes
+    pool = HostPool(hosts_file=hosts_file(tmp_path, image="reg/w:1", pvc="eagle3.work-1", gpus=4, secrets=["hf-token"],
+                                          **names))
     member = pool.members()["cluster"]
     assert isinstance(member.host, K8sHost)
-    assert (member.host.image, member.host.pvc, member.host.gpus, member.host.secrets) == ("reg/w:1", "eagle3-work", 4,
-                                                                                           ["hf-token"])
+    assert (member.host.image, member.host.pvc, member.host.gpus, member.host.secrets) == ("reg/w:1", "eagle3.work-1",
+                                                                                           4, ["hf-token"])
+    assert {k: getattr(member.host, k) for k in names} == names
     assert pool.primary.name == "cluster"
 
 
@@ -122,6 +126,18 @@ def test_pool_file_with_kind_k8s_builds_a_k8s_host(tmp_path):
     ({"image": "reg/w:1", "pvc": "w", "env": {"HF_TOKEN": TOKEN}}, "env.HF_TOKEN", "list <name> under secrets"),
     ({"image": "reg/w:1", "pvc": "w", "secrets": [TOKEN]}, "secrets[0]", "never a token"),
     ({"image": "reg/w:1", "pvc": "w", "secrets": {"HF_TOKEN": TOKEN}}, "secrets", "names of Kubernetes Secrets, not values"),
+    # names the API server validates, refused as the file loads rather than by the cluster at the first pod
+    ({"image": "reg/w:1", "pvc": "Eagle3_Work/../x!"}, "pvc 'Eagle3_Work/../x!'", "DNS-1123 subdomain"),
+    ({"image": "reg/w:1", "pvc": "w" * 254}, "(254 characters)", "at most 253 characters"),
+    ({"image": "reg/w:1", "pvc": "w", "namespace": "ML Team"}, "namespace 'ML Team'", "DNS-1123 label"),
+    ({"image": "reg/w:1", "pvc": "w", "namespace": "n" * 64}, "(64 characters)", "at most 63 characters"),
+    ({"image": "reg/w:1", "pvc": "w", "namespace": "team.ml"}, "namespace 'team.ml'", "e.g. 'team-ml'"),
+    ({"image": "reg/w:1", "pvc": "w", "service_account": "Eagle3"}, "service_account 'Eagle3'", "e.g. 'eagle3'"),
+    ({"image": "reg/w:1", "pvc": "w", "image_pull_secrets": ["regcred", "Reg Cred"]}, "image_pull_secrets[1]",
+     "the name of a Secret"),
+    ({"image": "reg/w:1", "pvc": "w", "node_selector": {"gpu.example.com/model": "H100 SXM"}},
+     "node_selector.gpu.example.com/model 'H100 SXM'", "a label value"),
+    ({"image": "reg/w:1", "pvc": "w", "namespace": TOKEN}, "namespace (not shown: it looks like", "DNS-1123 label"),
 ])
 def test_bad_k8s_config_names_the_field_and_the_fix_and_never_echoes_a_secret(tmp_path, bad, field, fix):
     pool = HostPool(hosts_file=hosts_file(tmp_path, **bad))
