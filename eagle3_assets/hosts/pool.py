@@ -171,7 +171,12 @@ class HostPool(GpuHost):
     # ---- members ----------------------------------------------------------------------------------------
     def members(self) -> dict[str, Member]:
         p = Path(self.hosts_file).expanduser()
-        ms = _cached_members(str(p), p.stat().st_mtime_ns, tuple(sorted(os.environ.items())))
+        try:
+            mtime = p.stat().st_mtime_ns
+        except OSError:
+            _load(self.hosts_file)  # says what is wrong with the file, naming it
+            raise
+        ms = _cached_members(str(p), mtime, tuple(sorted(os.environ.items())))
         return {m.name: m for m in ms}
 
     @property

@@ -169,3 +169,10 @@ def test_every_hosts_file_error_names_the_file_and_the_variable(tmp_path, monkey
     with pytest.raises(ValueError) as e:
         _load_from_env(monkeypatch, path)
     assert f"hosts file {path} ({HOSTS_ENV})" in str(e.value) and says in str(e.value), str(e.value)
+
+
+def test_a_hosts_file_gone_when_a_run_starts_is_named(tmp_path):
+    from eagle3_assets.hosts import HostPool
+
+    with pytest.raises(ValueError, match=f"hosts file {tmp_path / 'gone.yaml'}: no such file"):
+        HostPool(hosts_file=str(tmp_path / "gone.yaml")).members()
