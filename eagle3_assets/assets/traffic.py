@@ -102,6 +102,13 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
         "candidates": rel_cands, "held_out": [here[p] for p in held_out], "out": rel_out,
         **config.model_dump(include=set(TrafficSampleSettings.model_fields))})
     files = [redactor.redact(u)[0] for u in stats.files_read]  # a URL may carry a key
+    kept = (run.materialization.metadata or {}).get("prompts") if run.materialization else None
+    kept, keep = getattr(kept, "value", kept), int(config.max_prompts * config.oversample)
+    short = isinstance(kept, int) and kept < config.max_prompts and len(rows) == keep
+    if short:  # the day had more requests than were redacted, and near duplicates took too many of those
+        context.log.warning(f"only {kept} of max_prompts {config.max_prompts} kept: near duplicates took "
+                            f"{keep - kept} of the {keep} candidates while the day held more requests; raise "
+                            f"oversample (now {config.oversample:g}) for a full sample")
     return run.materialize_result(
         day=day, timezone=traffic_partitions.timezone,
         requests_read=stats.records, requests_in_day=stats.in_day,
@@ -109,7 +116,7 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
         bad_records_skipped=stats.bad_records_skipped, no_user_message=stats.no_user_message,
         exact_duplicates_dropped=stats.exact_duplicates, tool_messages_dropped=stats.tool_messages_dropped,
         empty_turns_dropped=stats.empty_turns_dropped, conversations_turn_capped=stats.turns_capped,
-        messages_truncated=stats.messages_truncated, candidates_redacted=len(rows),
+        messages_truncated=stats.messages_truncated, candidates_redacted=len(rows), sample_short=short,
         **{f"redacted_{k}": stats.redacted[k] for k in KINDS}, redacted_total=sum(stats.redacted.values()),
         files_read=len(files), files_skipped_by_name=stats.files_skipped_by_name,
         sources_read=dg.MetadataValue.json(files[:100]), held_out_sets=dg.MetadataValue.json(held_out),

@@ -269,7 +269,7 @@ def test_a_day_materialized_through_dagster_holds_no_raw_value_anywhere(tmp_path
     assert (meta["requests_read"], meta["requests_in_day"], meta["requests_other_days"]) == (11, 9, 1)
     assert (meta["bad_records_skipped"], meta["no_user_message"]) == (2, 1)
     assert (meta["near_duplicates_of_held_out"], meta["near_duplicates_within"], meta["prompts"]) == (1, 1, 5)
-    assert meta["files_read"] == 2 and meta["dagster/row_count"] == 5
+    assert meta["files_read"] == 2 and meta["dagster/row_count"] == 5 and meta["sample_short"] is False
     assert any("skipped:" in m and "unknown role '[EMAIL]'" in m for m in logged)  # the problem, redacted
 
     kept = pq.read_table(work / f"traffic/{DAY}.parquet").to_pylist()
