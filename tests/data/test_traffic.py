@@ -17,6 +17,9 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import failure_text
+from eagle3_assets.assets import all_assets
+from eagle3_assets.hosts import LocalGpuHost
 from eagle3_assets.redact import KINDS, Redactor
 from eagle3_assets.traffic_sources import TrafficError, TrafficStats, read_day, redacted_rows
 
@@ -278,3 +281,21 @@ def test_a_day_materialized_through_dagster_holds_no_raw_value_anywhere(tmp_path
     assert {r["length_bucket"] for r in kept} == {"<256"} and "explain consensus in" in {r["first_words"] for r in kept}
     assert not list(work.glob("traffic/.candidates-*"))
 
+
+
+def test_a_partition_failing_on_a_bad_line_quotes_no_raw_value(tmp_path):
+    """on_bad_record 'fail': the failure names the file and line, in redacted words, and keeps no raw cause."""
+    log = _write(tmp_path / "gw.jsonl", [{"timestamp": DAY, "messages": [{"role": RAW["email"], "content": "x"}]}])
+    host = LocalGpuHost(workdir=str(tmp_path / "work"))
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        run = dict(assets=all_assets, instance=instance, resources={"gpu_host": host})
+        assert dg.materialize(selection=["prompts"], **run, run_config={
+            "ops": {"prompts": {"config": {"include_humaneval": False}}}}).success
+        res = dg.materialize(selection=["traffic"], partition_key=DAY, raise_on_error=False, **run, run_config={
+            "ops": {"traffic": {"config": {"sources": [str(log)]}}}})
+        assert not res.success
+        text = failure_text(res)
+        assert "gw.jsonl, line 1: unknown role '[EMAIL]'" in text and RAW["email"] not in text
+        events = [str(r.event_log_entry) for r in instance.get_records_for_run(res.run_id).records]
+        assert events and not [e for e in events if RAW["email"] in e]
+    assert not (tmp_path / "work" / "traffic").exists()  # nothing reached the host
