@@ -91,6 +91,16 @@ def _vision_tensors(cfg) -> dict[str, torch.Tensor]:
                 if not k.startswith("language_model.")}
 
 
+def kimi_k25_config(text_dict: dict) -> dict:
+    """The wrapper's config.json around a text model's: as transformers' Kimi_K25Config writes it, which has no
+    `media_placeholder_token_id` (Moonshot's config.json has one)."""
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "dtype": "float32",
+            "tie_word_embeddings": False, "text_config": text_dict,
+            "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "num_hidden_layers": 1,
+                              "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+                              "merge_kernel_size": [2, 2]}}
+
+
 def save_kimi_k25_like(out: Path, *, layers: int = 8, hidden: int = 64, heads: int = 8, vocab: int = KIMI_VOCAB,
                        seed: int = 0, router_keys: bool = True, scoring_func: str | None = "sigmoid",
                        router_std: float = 0.1, router_bias: float = 0.05, **moe) -> TinyTarget:
@@ -126,12 +136,7 @@ def save_kimi_k25_like(out: Path, *, layers: int = 8, hidden: int = 64, heads: i
             text_dict.pop("scoring_func", None)
     else:
         text_dict = {k: v for k, v in text_dict.items() if k not in ("topk_method", "scoring_func")}
-    top = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "dtype": "float32",
-           "tie_word_embeddings": False, "text_config": text_dict,
-           "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "num_hidden_layers": 1,
-                             "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
-                             "merge_kernel_size": [2, 2]}}
-    (out / "config.json").write_text(json.dumps(top, indent=2))
+    (out / "config.json").write_text(json.dumps(kimi_k25_config(text_dict), indent=2))
     tensors = {f"language_model.{k}": v.contiguous() for k, v in text.items()}
     tensors.update(_vision_tensors(AutoConfig.from_pretrained(out)))
     # two shards and an index, as a real (64-shard) checkpoint: the second holds the upper layers and the head

@@ -9,13 +9,14 @@ from .base import NAMES, Args, Contract, Result, Settings
 
 class ExportSettings(Settings):
     # list[str], checked against the engine names: Dagster's config has no list of a Literal
-    dialects: list[str] = Field(default=list(NAMES), min_length=1, description="serving engines to export for: "
-                                + ", ".join(NAMES))
+    dialects: list[str] | None = Field(default=None, min_length=1, description="serving engines to export for: "
+                                       + ", ".join(NAMES) + " (default: every one that can serve the drafter as "
+                                       "trained; the others are left out, the reason in <dialect>_left_out)")
 
     @field_validator("dialects")
     @classmethod
-    def _known(cls, v: list[str]) -> list[str]:
-        unknown = [d for d in v if d not in NAMES]
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        unknown = [d for d in v or [] if d not in NAMES]
         if unknown:
             raise ValueError(f"unknown dialects {unknown}: the engines are {list(NAMES)}")
         return v

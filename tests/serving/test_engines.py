@@ -315,13 +315,13 @@ def test_each_dialect_writes_and_reads_back_its_layer_ids_and_sglang_refuses_wha
     from eagle3_assets.worker.errors import StageError
 
     ours = [2, 10, 20]
-    v, s = vllm.export_fields(ours, "llama"), sglang.export_fields(ours, "llama")
+    v, s = vllm.export_fields(ours, "llama", 32), sglang.export_fields(ours, "llama", 32)
     assert v == {"eagle_aux_hidden_state_layer_ids": [3, 11, 21]}  # capture-before
     assert s["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ours  # output of layer i
     assert vllm.exported_layers(v, "llama") == sglang.exported_layers(s, "llama") == ours
     assert vllm.exported_layers({}, "llama") is None is sglang.exported_layers({}, "llama")
     with pytest.raises(StageError, match="first id"):
-        sglang.export_fields(ours, "kimi_k2")
+        sglang.export_fields(ours, "kimi_k2", 32)
     assert sglang.id_rule([2, 30, 58], "kimi_k2")[0] == -1 and sglang.id_rule([1, 29, 57], "kimi_k2") is None
     vllm.check_export(tmp_path, {"num_hidden_layers": 2})
     with pytest.raises(StageError, match="residual"):
@@ -368,8 +368,12 @@ def acceptance(server, before, k):
     return {"acceptance_length": None, "acceptance_rate": None}
 
 
-def export_fields(aux, model_type):
+def export_fields(aux, model_type, num_layers):
     return {LAYER_IDS_FIELD: [i + 100 for i in aux]}
+
+
+def serve_refusals(target, info, dtype, extra):
+    return []
 
 
 def exported_layers(cfg, model_type):
@@ -409,7 +413,7 @@ from eagle3_assets.stages.generate import GenerateSettings
 from eagle3_assets.stages.export import ExportSettings
 assert "fake" in typing.get_args(ExtractSettings.model_fields["backend"].annotation)
 assert "fake" in typing.get_args(GenerateSettings.model_fields["backend"].annotation)
-assert ExportSettings().dialects == ["vllm", "fake", "sglang"]
+assert ExportSettings().dialects is None  # every engine that can take the drafter: the registry's
 assert "vllm, fake, sglang" in ExportSettings.model_fields["dialects"].description
 try:
     ExportSettings(dialects=["tgi"])
@@ -575,10 +579,52 @@ def test_the_vllm_preflight_refuses_what_the_server_would_fail_on_later(tmp_path
     narrow = _config_only_target(tmp_path / "latent-48", {**mla, "kv_lora_rank": 32, "qk_rope_head_dim": 16})
     with pytest.raises(StageError) as e:
         check_support(vllm, sys.executable, narrow, probe=vllm.EXTRACT_PROBE, purpose="extract hidden states")
-    assert "latent widths [320, 512, 576]" in str(e.value) and "this target's is 48 (kv_lora_rank 32" in str(e.value)
+    msg = str(e.value)
+    assert "latent widths [320, 512, 576]" in msg and "this target's is 48 (kv_lora_rank 32" in msg
+    # the width is the target's: another backend is the advice, not an upgrade
+    assert "about this target, not this vllm release: use the other backend (hf, sglang)" in msg, msg
+    assert "upgrade" not in msg.lower(), msg
     spelled = _config_only_target(tmp_path / "spelled", {"architectures": ["Kimi_K25ForConditionalGeneration"],
                                                         "model_type": "kimi_k25", "text_config": mla})
     with pytest.raises(StageError) as e:
         check_support(vllm, sys.executable, spelled)
     msg = str(e.value)
     assert "has 'KimiK25ForConditionalGeneration'" in msg and "Upgrade" not in msg, msg
+
+
+@pytest.mark.slow  # two probes of the installed vLLM (a Kimi wrapper, a Llama); the Kimi's yes is kept between asks
+def test_the_serve_preflight_refuses_a_kimi_target_vllm_would_die_on_after_loading_the_drafter(tmp_path, monkeypatch):
+    """vLLM 0.32's CPU build loaded the tiny Kimi and its EAGLE-3 drafter, then died: its EAGLE proposer reads
+    media_placeholder_token_id from the wrapper's config (transformers' Kimi_K25Config writes none), and, with
+    that key added, its MLA and plain attention backends share no block size. The preflight says both before any
+    server starts, from the installed engine's code; the target alone (generation) and a plain target pass."""
+    from eagle3_assets.worker.engines.server import check_support, serve_preflight
+    from eagle3_assets.worker.errors import StageError
+    from tiny_targets import kimi_k25_config, kimi_k25_text_config, smollm2_tokenizer
+
+    monkeypatch.setenv("EAGLE3_ENGINE_CHECK_CACHE", str(tmp_path / "cache"))
+    tc = kimi_k25_text_config(smollm2_tokenizer(), layers=4, hidden=64, heads=8, vocab=1024).to_dict()
+    text = {**tc, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    kimi = _config_only_target(tmp_path / "kimi", kimi_k25_config(text))
+    with pytest.raises(StageError) as e:
+        serve_preflight(vllm, sys.executable, kimi, dtype="float32")
+    msg = str(e.value)
+    for words in ("reads 'media_placeholder_token_id' from the config of a KimiK25ForConditionalGeneration target",
+                  "vllm/v1/spec_decode/llm_base_proposer.py", f"{kimi / 'config.json'} has no 'media_placeholder_token_id'",
+                  "Kimi_K25Config gives it no default", "the original checkpoint's config.json",
+                  # vLLM 0.32's CPU build, as its cpu_mla.py and cpu_attn.py declare them
+                  "CPU_MLA (the MLA target's attention) takes block size 16",
+                  "its CPU_ATTN (the EAGLE-3 drafter's) multiples of 32: no common block size",
+                  "cannot serve an EAGLE-3 drafter for an MLA target", "use vLLM's GPU build or SGLang"):
+        assert words in msg, (words, msg)
+    # the key written as Moonshot's config.json has it: the backends are what is left
+    cfg = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**cfg, "media_placeholder_token_id": 163605}))
+    with pytest.raises(StageError) as e:
+        serve_preflight(vllm, sys.executable, kimi, dtype="float32")
+    assert "media_placeholder_token_id" not in str(e.value) and "no common block size" in str(e.value), str(e.value)
+    # serving the target alone (generation) asks the support probe only: still a yes
+    assert check_support(vllm, sys.executable, kimi)["checked"].startswith("kept")
+    llama = _config_only_target(tmp_path / "llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                     "hidden_size": 64, "num_attention_heads": 4})
+    assert serve_preflight(vllm, sys.executable, llama, dtype="float32")["supported"]

@@ -27,9 +27,13 @@ def test_the_default_is_three_distinct_layers_of_every_target_of_three_or_more()
 
 
 def test_a_small_targets_export_names_its_layers_and_a_large_ones_need_not():
-    """The engines would capture [1, 1, 0] for a 4-layer target: its export must say which layers."""
+    """The engines would capture [1, 1, 0] for a 4-layer target: its export must say which layers, and SGLang,
+    which never captures the last layer's output, refuses a default that holds it, naming that default."""
+    assert layer_fields("vllm", default_aux_layers(4), 4, "llama")
+    assert layer_fields("sglang", [0, 1, 2], 4, "llama")
+    with pytest.raises(StageError, match=r"layer 3\) is never captured.*this target's default \[0, 2, 3\] is not"):
+        layer_fields("sglang", default_aux_layers(4), 4, "llama")
     for engine in ("vllm", "sglang"):
-        assert layer_fields(engine, default_aux_layers(4), 4, "llama"), engine
         assert layer_fields(engine, default_aux_layers(32), 32, "llama") == {}, engine
 
 

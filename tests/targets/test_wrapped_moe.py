@@ -5,6 +5,7 @@ finetuning an existing drafter whose layer ids are written in each engine's conv
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -43,18 +44,25 @@ def kimi(tmp_path_factory):
     return save_kimi_k25_like(tmp_path_factory.mktemp("targets") / "tiny-kimi-k25")
 
 
-@pytest.fixture(scope="module")
-def pipeline(kimi, tmp_path_factory):
+@contextlib.contextmanager
+def default_graph(target: Path, tmp_path_factory, name: str):
     """Its own instance and host work directory (the session's hold the SmolLM2 graph): every asset from
-    target_model to drafter_export, each shard partition in its own run."""
-    with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("kimi_dagster_home"))) as instance:
-        g = Graph(instance, tmp_path_factory.mktemp("kimi_host_work"))
-        cfg = _config(kimi.path)
+    target_model to drafter_export with default settings but the tiny recipe, each shard partition in its own
+    run."""
+    with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp(f"{name}_dagster_home"))) as instance:
+        g = Graph(instance, tmp_path_factory.mktemp(f"{name}_host_work"))
+        cfg = _config(target)
         g.materialize("target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping", config=cfg)
         for key in instance.get_dynamic_partitions("hidden_state_shards"):
             g.materialize("hidden_state_shards", partition=key, config=cfg)
         g.materialize("eagle3_drafter", config=cfg)
         g.materialize("drafter_export", config=cfg)
+        yield g
+
+
+@pytest.fixture(scope="module")
+def pipeline(kimi, tmp_path_factory):
+    with default_graph(kimi.path, tmp_path_factory, "kimi") as g:
         yield g
 
 

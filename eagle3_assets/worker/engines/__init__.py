@@ -35,6 +35,11 @@ class Engine(Protocol):
                        max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
         """The server's argv (`--port` among it): the target alone, or with the EAGLE-3 `drafter` drafting k."""
 
+    def serve_refusals(self, target, info: dict, dtype: str | None, extra: list[str]) -> list[str]:
+        """Why the server this engine would start with an EAGLE-3 drafter for `target` (`dtype`, the stage's
+        extra_args) would fail after starting, from the facts of its support probe (`info`) and the target's
+        config.json; each reason says what to do. server.serve_preflight asks it before any server starts."""
+
     def text_only(self, target, info: dict, choice: bool | None) -> bool:
         """Whether to serve a multimodal wrapper's text model alone (the stages' `language_model_only`; `info`:
         the support probe's answer); the same answer for every stage that starts the engine."""
@@ -50,9 +55,9 @@ class Engine(Protocol):
         acceptance_per_pos / num_drafts... where the engine counts them."""
 
     # ---- export dialect (export, checkpoint, serve_bench's layer wiring) ----
-    def export_fields(self, aux: list[int], model_type: str) -> dict:
-        """The config fields that make the engine capture `aux` (non-default layers); StageError if its reading
-        of them would be ambiguous."""
+    def export_fields(self, aux: list[int], model_type: str, num_layers: int) -> dict:
+        """The config fields that make the engine capture `aux` (non-default layers) of a target of `num_layers`;
+        StageError if it would not capture them as trained (an ambiguous reading, a layer it never captures)."""
 
     def exported_layers(self, cfg: dict, model_type: str) -> list[int] | None:
         """The layers (ours) the engine captures for this drafter config; None when it names none (the
@@ -129,10 +134,15 @@ def support_probe(name: str, checks: str) -> str:
 
 def target_shapes(cfg: dict) -> dict:
     """The shapes of a target's text model that an engine's kernels may limit (a support probe's 4th argument):
-    an MLA model's latent width, kv_lora_rank + qk_rope_head_dim."""
+    an MLA model's latent width, kv_lora_rank + qk_rope_head_dim, and the head width of the EAGLE-3 draft layer
+    trained for it (its v_head_dim, as training/drafter.py's DraftConfig.from_target gives it), whose attention
+    the engine picks apart from the target's."""
     tc = cfg.get("text_config") or cfg
     if tc.get("kv_lora_rank"):
         rope = int(tc.get("qk_rope_head_dim") or 0)
-        return {"mla_latent": int(tc["kv_lora_rank"]) + rope, "kv_lora_rank": int(tc["kv_lora_rank"]),
-                "qk_rope_head_dim": rope}
+        shapes = {"mla_latent": int(tc["kv_lora_rank"]) + rope, "kv_lora_rank": int(tc["kv_lora_rank"]),
+                  "qk_rope_head_dim": rope}
+        if tc.get("v_head_dim") or (tc.get("hidden_size") and tc.get("num_attention_heads")):
+            shapes["draft_head_dim"] = int(tc.get("v_head_dim") or tc["hidden_size"] // tc["num_attention_heads"])
+        return shapes
     return {}

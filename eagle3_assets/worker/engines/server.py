@@ -1,7 +1,8 @@
 """An inference server process on the host: started in its own process group with its output in a log
 file, waited on until it answers its health route, and stopped with its whole group, whatever happens
 (an error, a cancel, the worker killed), so that no process or GPU memory is left behind. And the question
-asked before one starts: can the installed engine do the job (`check_support`, running an engine's probe)."""
+asked before one starts: can the installed engine do the job (`check_support`, running an engine's probe), and
+for EAGLE-3, would its server live past loading the drafter (`serve_preflight`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,31 @@ def _cached_answer(engine, python: str, question: list[str]) -> tuple[Path | Non
         return path, None
 
 
+def _advice(engine, info: dict, purpose: str, model_type: str) -> str:
+    """What to do about a probe's no: a rename for a name spelled otherwise, another engine or backend for the
+    target's own shape (a width no release is known to take: an upgrade is no advice there), an upgrade for what
+    the release lacks; the other engines (or backends) in every case."""
+    from . import NAMES
+
+    serving = purpose.startswith("serve")
+    others = [n for n in (NAMES if serving else ("hf", *NAMES)) if n != engine.NAME]
+    other = f"the other {'engine' if serving else 'backend'} ({', '.join(others)})"
+    shape = set(info.get("target_shape_reasons") or [])
+    rename = info.get("close_spelling")
+    rest = [r for r in info["reasons"] if r not in shape and not (rename and repr(rename) in r)]
+    steps = ["fix the target's config.json as said"] if rename else []
+    if rest:
+        steps.append(f"upgrade {engine.NAME} to a release that supports "
+                     f"{'EAGLE-3' if serving else 'hidden-state extraction'} for {model_type}")
+    if shape:
+        steps.append(f"the refusal about its shape is about this target, not this {engine.NAME} release: use "
+                     f"{other}, or a target of a shape it takes")
+        said = "; ".join(steps)
+    else:
+        said = "; ".join(steps) + f", or use {other}" if steps else f"use {other}"
+    return said[:1].upper() + said[1:]
+
+
 def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
     """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
     model type and what to do. A yes is kept per engine install (path and mtime), probe and question, so the
@@ -85,13 +111,9 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
         raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
                          f"({engine.INSTALL}), or set engine_python to the environment that has it")
     if not info["supported"]:
-        fix = ("Fix the target's config.json as said" if info.get("close_spelling") and len(info["reasons"]) == 1
-               else f"Upgrade {engine.NAME} to a release that supports "
-               f"{'EAGLE-3' if purpose.startswith('serve') else 'hidden-state extraction'} for {model_type}")
         raise StageError(
             f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
-            f"{model_type!r}): {'; '.join(info['reasons'])}. {fix}, or use the "
-            f"other {'engine' if purpose.startswith('serve') else 'backend'}")
+            f"{model_type!r}): {'; '.join(info['reasons'])}. {_advice(engine, info, purpose, model_type)}")
     if cache is not None:
         from ..files import atomic_file
 
@@ -101,6 +123,25 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
                 tmp.write_text(json.dumps(info))
         except OSError:
             pass  # a read-only home: probe again next time
+    return info
+
+
+def serve_preflight(engine, python: str, target: Path, *, dtype: str | None = None, extra: list[str] = ()) -> dict:
+    """Before an EAGLE-3 server starts: can the installed engine serve a drafter for `target` (its support
+    probe, above), and would the server live past loading it (the engine's `serve_refusals`: for vLLM a key of
+    the target's config its EAGLE proposer reads, attention backends with no block size in common), judged
+    against the target's config.json, the server's `dtype` (None: the one the stages pick on this host) and
+    extra_args every time. The one check for every stage or gate about to spend a server start on EAGLE-3
+    (serve_bench, engine_check's `serve`); a StageError naming every reason and what to do."""
+    info = check_support(engine, python, Path(target))
+    if dtype is None:
+        from ..compute_dtype import host_device, resolve
+
+        dtype = resolve(None, host_device())
+    reasons = engine.serve_refusals(Path(target), info, dtype, list(extra))
+    if reasons:
+        raise StageError(f"{engine.NAME} {info['version']} cannot serve an EAGLE-3 drafter for this target ({target}, "
+                         f"architecture {info['architecture']}, served in {dtype}): {'; '.join(reasons)}")
     return info
 
 

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from ...common.launch import launch_facts
 from .. import engines
 from ..engines import load
-from ..engines.server import EngineServer, check_support, free_port
+from ..engines.server import EngineServer, free_port, serve_preflight
 from ..errors import StageError
 from ..files import atomic_file, quarantine, require_file, resolve
 from ..target.chat import first_turn_prompt
@@ -170,8 +170,12 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     moved: list[str] = []
     read_history(history, reporter, moved)  # in seconds, before any server: not after every measurement
 
+    from ..compute_dtype import choice, host_device, line
+
+    device = host_device()
+    dtype_info = choice(args.dtype, device)
     t0 = time.monotonic()
-    info = check_support(engine, python, target)
+    info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=list(args.extra_args or []))
     reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
                  f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
     text_only = engine.text_only(target, info, args.language_model_only)
@@ -181,10 +185,6 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
         raise StageError(f"{prompts_path} holds no prompts")
     requests = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
     env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args.env or {}).items()}}
-    from ..compute_dtype import choice, host_device, line
-
-    device = host_device()
-    dtype_info = choice(args.dtype, device)
     reporter.log(line(dtype_info))
     common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.max_model_len),
                   seed=int(args.seed), extra=list(args.extra_args or []), language_model_only=text_only)

@@ -18,15 +18,17 @@ PURPOSES = {"serve": "serve EAGLE-3", "extract": "extract hidden states"}
 
 
 def run(workdir: str, args: EngineCheckArgs, reporter) -> None:
-    from ..engines.server import check_support
+    from ..engines.server import check_support, serve_preflight
 
     engine = engines.get(args.engine)
     purpose = args.purpose
     if purpose not in PURPOSES:
         raise StageError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
-    probe = {"serve": engine.SUPPORT_PROBE, "extract": engine.EXTRACT_PROBE}[purpose]
-    info = check_support(engine, args.engine_python or sys.executable, resolve(workdir, args.target),
-                         probe=probe, purpose=PURPOSES[purpose])
+    python, target = args.engine_python or sys.executable, resolve(workdir, args.target)
+    if purpose == "serve":  # and would the server live past loading a drafter (the stages' dtype, no extra_args)
+        info = serve_preflight(engine, python, target)
+    else:
+        info = check_support(engine, python, target, probe=engine.EXTRACT_PROBE, purpose=PURPOSES[purpose])
     reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "
                  f"({info.get('model_class', '?')})")
     reporter.result(info)

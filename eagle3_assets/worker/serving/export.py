@@ -4,7 +4,10 @@ dialect per engine, each validated against its contract before it is published.
 Aux layer ids: a drafter trained on the default layers gets no ids in its config (the engines then capture
 exactly those layers); otherwise each dialect gets them in its engine's convention (`export_fields`), read
 back as the engine reads them (`exported_layers`); each engine refuses what it would serve as another
-function than the one trained (`check_export`, `check_tensors`)."""
+function than the one trained (`export_fields`, `check_export`, `check_tensors`). Dialects not named
+(`dialects` unset): every engine that can take the drafter, the others left out with the reason in the
+metadata (`<dialect>_left_out`): a small target's default layers include its last, which SGLang never
+captures, and for SGLang's DeepSeek-family classes no first layer of 0 means the same to every release."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def layer_fields(dialect: str, aux: list[int], num_layers: int, model_type: str 
     """The config fields that make the engine capture `aux` (ours); none for the default layers."""
     if aux == engine_default_aux_layers(num_layers):
         return {}
-    return engines.get(dialect).export_fields(aux, model_type)
+    return engines.get(dialect).export_fields(aux, model_type, num_layers)
 
 
 def engine_capture_layers(dialect: str, cfg: dict, num_layers: int, model_type: str = "") -> list[int]:
@@ -95,26 +98,43 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
             "bytes": sum(p.stat().st_size for p in out.iterdir()), **checked}
 
 
+def _refusal(dialect: str, src: Path, src_cfg: dict, aux: list[int], tc) -> str | None:
+    """Why `dialect` cannot take this drafter (its engine would serve another function than the one trained)."""
+    try:
+        layer_fields(dialect, aux, tc.num_hidden_layers, tc.model_type)
+        engines.get(dialect).check_export(src, src_cfg)
+    except StageError as e:
+        return str(e)
+    return None
+
+
 def run(workdir: str, args: ExportArgs, reporter) -> None:
     src = resolve(workdir, args.drafter)
     out = resolve(workdir, args.out)
     tc = text_config(load_config(resolve(workdir, args.target)))
-    dialects = args.dialects or list(engines.NAMES)
+    asked = args.dialects  # None: every engine that can take the drafter, the others left out and said why
+    dialects = asked or list(engines.NAMES)
     unknown = [x for x in dialects if x not in engines.NAMES]
     if unknown:
         raise StageError(f"unknown export dialects {unknown}; choose from {list(engines.NAMES)}")
     src_cfg = json.loads(require_file(src / "config.json", "drafter config", "train the drafter first").read_text())
     aux = aux_ids_from_config(src_cfg, tc.num_hidden_layers, tc.model_type)
-    for dialect in dialects:  # refusals checked before any dialect is written
-        layer_fields(dialect, aux, tc.num_hidden_layers, tc.model_type)
-        engines.get(dialect).check_export(src, src_cfg)
+    # refusals checked before any dialect is written
+    left_out = {d: why for d in dialects if (why := _refusal(d, src, src_cfg, aux, tc)) is not None}
+    if left_out and (asked or len(left_out) == len(dialects)):
+        raise StageError(" ".join(left_out.values()))
+    dialects = [d for d in dialects if d not in left_out]
     meta = {}
+    for dialect, why in left_out.items():
+        reporter.log(f"no {dialect} export: {why}")
+        meta[f"{dialect}_left_out"] = why
     for dialect in dialects:
         info = write_export(src, out / dialect, dialect, tc)
         reporter.log(f"{dialect} export: {info['path']} ({info['tensors']} tensors, layer ids {info['layer_ids']})")
         meta[f"{dialect}_path"] = info["path"]
         meta[f"{dialect}_layer_ids"] = info["layer_ids"]
         meta[f"{dialect}_bytes"] = info["bytes"]
+    meta["dialects"] = ", ".join(dialects)
     meta["source"] = str(src)
     meta["validated"] = True
     version = weights_hash(out / dialects[0])

@@ -47,6 +47,10 @@ except Exception as e:
 ''')
 
 
+def serve_refusals(target, info: dict, dtype: str | None, extra: list[str]) -> list[str]:
+    return []  # nothing known that its support probe would not refuse already
+
+
 def text_only(target, info: dict, choice: bool | None) -> bool:
     """SGLang's documented server arguments have no --language-model-only: a wrapper loads whole."""
     if choice:
@@ -104,16 +108,47 @@ def accept_length(server_info: dict) -> float | None:
 # take other lists as capture-before (sglang PR #25454); releases before it added 1 always. So for those
 # targets only lists starting at layer 1 mean the same to every release.
 FIRST_ID_RULE = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"})
+# And every class captures inside its decoder loop, the input of layer i for i < num_hidden_layers (llama.py,
+# deepseek_v2.py `forward`: `if i in self.layers_to_capture`, no capture after the loop): the last layer's
+# output (ours N-1) is never captured, and a drafter trained on it would get two aux states of its three.
 
 
-def export_layer_ids(ours: list[int], model_type: str) -> list[int]:
+def layer_problems(ours: list[int], model_type: str, num_layers: int) -> list[str]:
+    """Why SGLang would serve a drafter trained on `ours` as another function (empty: it reads them as trained)."""
+    problems = []
+    if num_layers - 1 in ours:
+        problems.append(f"it captures a layer's input inside its decoder loop, so the last layer's output (layer "
+                        f"{num_layers - 1}) is never captured")
     if model_type in FIRST_ID_RULE and ours[0] != 1:
+        problems.append(f"it reads EAGLE-3 layer ids for {model_type} targets two ways (releases since PR #25454 take "
+                        f"a list whose first id is not 1 as capture-before, earlier ones add 1 to every id)")
+    return problems
+
+
+def servable_layers(model_type: str, num_layers: int) -> list[int] | None:
+    """Three layers SGLang reads as trained on this target (first, middle and last it can capture), or None."""
+    low, high = (1 if model_type in FIRST_ID_RULE else 0), num_layers - 2
+    return [low, (low + high) // 2, high] if high - low >= 2 else None
+
+
+def export_layer_ids(ours: list[int], model_type: str, num_layers: int) -> list[int]:
+    problems = layer_problems(ours, model_type, num_layers)
+    if problems:
+        from ....common.shard_format import default_aux_layers
         from ...errors import StageError
 
-        raise StageError(f"SGLang reads EAGLE-3 layer ids for {model_type} targets two ways (releases since PR #25454 "
-                         f"take a list whose first id is not 1 as capture-before, earlier ones add 1 to every id), so "
-                         f"aux layers {list(ours)} would be misread by one of them: train on aux layers whose first id "
-                         f"is 1 (the default [1, N//2-1, N-4] is), or export for vllm only (dialects: [vllm])")
+        default, fits = default_aux_layers(num_layers), servable_layers(model_type, num_layers)
+        if fits is None:
+            advice = (f"No three layers of a {num_layers}-layer {model_type} target are read as trained by SGLang "
+                      f"(this target's default aux layers are {default}): export for vllm only (dialects: [vllm])")
+        else:
+            which = (f"this target's default aux layers {default} are" if not layer_problems(default, model_type,
+                     num_layers) else f"e.g. {fits}; this target's default {default} is not")
+            advice = (f"Train on aux layers SGLang reads as trained ({which}), or export for vllm only "
+                      f"(dialects: [vllm])")
+        raise StageError(f"SGLang cannot serve a drafter trained on these layers of this {num_layers}-layer "
+                         f"{model_type} target: {'; '.join(problems)}, so aux layers {list(ours)} would be misread. "
+                         f"{advice}")
     return list(ours)
 
 
@@ -127,8 +162,8 @@ def captured_layers(ids: list[int], model_type: str) -> list[int]:
 LAYER_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
 
 
-def export_fields(aux: list[int], model_type: str) -> dict:
-    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": export_layer_ids(aux, model_type),
+def export_fields(aux: list[int], model_type: str, num_layers: int) -> dict:
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": export_layer_ids(aux, model_type, num_layers),
                              "use_aux_hidden_state": True}}
 
 

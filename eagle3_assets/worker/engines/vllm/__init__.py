@@ -112,8 +112,109 @@ if shapes.get("mla_latent"):
                            f"target's is {shapes['mla_latent']} (kv_lora_rank {shapes['kv_lora_rank']} + "
                            f"qk_rope_head_dim {shapes['qk_rope_head_dim']}): vLLM would start, then fail the first "
                            "request with 'Head dimension ... is not supported by MLA'")
+            out["target_shape_reasons"] = [reasons[-1]]  # the target's shape: not what an upgrade is known to fix
     except ImportError:
         pass  # a release without that class: no width to check against
+'''
+
+_EAGLE3_FACTS = r'''
+# EAGLE-3 serving facts, not refusals (generation serves the target alone on this probe's answer too): the
+# preflight (server.serve_preflight through serve_refusals below) judges them against the target's config.json and
+# the server's flags, every time, while the facts are kept with the install's yes.
+# What the EAGLE proposer reads from the target's own config when loading the drafter: for a multimodal target
+# class, one attribute per class name (the image placeholder id it gives the drafter), read from its source.
+try:
+    import ast, textwrap
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.model_executor.models.interfaces import supports_multimodal
+    if cls is not None and supports_multimodal(cls):
+        fn = EagleProposer.load_model
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+
+        def _chain(node):  # target_model.config.a.b -> "a.b"
+            parts = []
+            while isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+                node = node.value
+            if isinstance(node, ast.Name) and node.id == "target_model" and parts[-1:] == ["config"]:
+                return ".".join(reversed(parts[:-1]))
+            return None
+
+        def _read(body):
+            for st in body:
+                for n in ast.walk(st):
+                    if isinstance(n, ast.Attribute) and (p := _chain(n)):
+                        return p
+            return None
+
+        rules, default = [], None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "get_model_name" in ast.unparse(node.test):
+                names = [c.value for c in ast.walk(node.test) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                rules.append((names, _read(node.body)))
+                if node.orelse and not (len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)):
+                    default = _read(node.orelse)
+        key = next((p for names, p in rules if cls.__name__ in names), default)
+        if key:
+            read = {"key": key, "class": cls.__name__,
+                    "where": f"{inspect.getsourcefile(fn).split('site-packages/')[-1]}: {fn.__qualname__}"}
+            try:  # the config class vLLM builds for the model type: a default of its own stands in for the key
+                from vllm.transformers_utils.config import _CONFIG_REGISTRY
+                if model_type in _CONFIG_REGISTRY:
+                    cfg_cls = _CONFIG_REGISTRY[model_type]
+                else:
+                    from transformers import AutoConfig
+                    cfg_cls = type(AutoConfig.for_model(model_type))
+                read["config_class"] = cfg_cls.__name__
+                obj = cfg_cls()
+                for part in key.split("."):
+                    obj = getattr(obj, part)
+                read["has_default"] = True
+            except AttributeError:
+                read["has_default"] = False
+            except Exception as e:
+                read["config_class_error"] = f"{type(e).__name__}: {e}"
+            out["eagle_target_config_reads"] = [read]
+except Exception as e:
+    out["eagle_reads_error"] = f"{type(e).__name__}: {e}"
+# The attention backends this build's platform picks for an MLA target and for the EAGLE-3 drafter's layer
+# (one KV cache group holds both), with the kernel block sizes each takes: vLLM fails after loading both when no
+# block size suits every backend of a group ("No common block size"). For vLLM's own choice and for CPU_MLA,
+# which server_command names on a CPU host (vllm._attention_flags).
+if shapes.get("mla_latent") and shapes.get("draft_head_dim"):
+    try:
+        import math
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+        from vllm.v1.worker.utils import _block_size_is_supported
+
+        def _pick(selected, use_mla, head):
+            sel = AttentionSelectorConfig(head_size=head, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=None,
+                                          use_mla=use_mla)
+            return resolve_obj_by_qualname(current_platform.get_attn_backend_cls(selected, sel))
+
+        def _sizes(b):
+            return [s if isinstance(s, int) else {"multiple_of": s.base} for s in b.get_supported_kernel_block_sizes()]
+
+        attention = {}
+        for name in ("auto", "CPU_MLA"):
+            selected = None if name == "auto" else getattr(AttentionBackendEnum, name, None)
+            if name != "auto" and selected is None:
+                continue
+            both = [_pick(selected, True, shapes["mla_latent"]), _pick(selected, False, shapes["draft_head_dim"])]
+            sizes = [b.get_supported_kernel_block_sizes() for b in both]
+            ints = {s for ss in sizes for s in ss if isinstance(s, int)}
+            bases = [s.base for ss in sizes for s in ss if not isinstance(s, int)]
+            tried = sorted(ints | ({math.lcm(*bases)} if bases else set()))
+            attention[name] = {"target": {"backend": both[0].get_name(), "block_sizes": _sizes(both[0])},
+                               "draft": {"backend": both[1].get_name(), "block_sizes": _sizes(both[1])},
+                               "common_block_sizes": [b for b in tried if _block_size_is_supported(both, b, [None, None])]}
+        out["eagle_attention"] = attention
+    except Exception as e:
+        out["eagle_attention_error"] = f"{type(e).__name__}: {e}"
 '''
 
 SUPPORT_PROBE = support_probe("vllm", _RESOLVE_CLASS + r'''
@@ -129,7 +230,7 @@ try:
                            f"and this target's model_type is {model_type!r}")
 except Exception as e:
     out["list_error"] = str(e)
-''')
+''' + _EAGLE3_FACTS)
 
 
 def spec_config(drafter: str, k: int) -> dict:
@@ -171,6 +272,53 @@ def _attention_flags(target: str, dtype: str, extra: list[str]) -> list[str]:
     if shapes.get("mla_latent") and not (dtype in _AMX_MLA["dtypes"] and shapes["mla_latent"] == _AMX_MLA["latent"]):
         return ["--attention-backend", "CPU_MLA"]
     return []
+
+
+def _attention_choice(target, dtype: str | None, extra: list[str]) -> str | None:
+    """Which of the support probe's attention answers the server would meet: CPU_MLA where server_command names
+    it, vLLM's own choice ("auto") where nothing does, the user's --attention-backend otherwise."""
+    for i, a in enumerate(extra):
+        if a.split("=")[0] == "--attention-backend":
+            return a.split("=", 1)[1] if "=" in a else (extra[i + 1] if i + 1 < len(extra) else None)
+    flags = _attention_flags(str(target), dtype or "", extra)
+    return flags[1] if flags else "auto"
+
+
+def _block_sizes(sizes: list) -> str:
+    said = [f"multiples of {s['multiple_of']}" if isinstance(s, dict) else str(s) for s in sizes]
+    return ("block size " if all(isinstance(s, int) for s in sizes) else "") + " or ".join(said)
+
+
+def serve_refusals(target, info: dict, dtype: str | None, extra: list[str]) -> list[str]:
+    """What the server would die of after loading the drafter, from the probe's facts (SUPPORT_PROBE,
+    _EAGLE3_FACTS): a key of the target's config its EAGLE proposer reads and the config lacks; an attention
+    backend pair (target's, draft's) with no block size in common."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    reasons = []
+    for read in info.get("eagle_target_config_reads") or []:
+        node: object = cfg
+        for part in read["key"].split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None or read.get("has_default"):
+            continue
+        default = (f" and vLLM's config class {read['config_class']} gives it no default"
+                   if "config_class" in read else "")
+        reasons.append(
+            f"its EAGLE proposer ({read['where']}) reads {read['key']!r} from the config of a {read['class']} "
+            f"target (the id of its media placeholder token, which it hands the drafter as image_token_index); "
+            f"{Path(target) / 'config.json'} has no {read['key']!r}{default}, so the server would load the target "
+            f"and the drafter, then fail with AttributeError. Add \"{read['key']}\" to that config.json with the "
+            f"value of the original checkpoint's config.json (the id its tokenizer gives the media placeholder token)")
+    chosen = _attention_choice(target, dtype, extra)
+    pair = (info.get("eagle_attention") or {}).get(chosen)
+    if pair and not pair["common_block_sizes"]:
+        t, d = pair["target"], pair["draft"]
+        reasons.append(
+            f"this vLLM build's {t['backend']} (the MLA target's attention) takes {_block_sizes(t['block_sizes'])}, "
+            f"its {d['backend']} (the EAGLE-3 drafter's) {_block_sizes(d['block_sizes'])}: no common block size, so "
+            f"it cannot serve an EAGLE-3 drafter for an MLA target (the server would load both, then fail with 'No "
+            f"common block size'); use vLLM's GPU build or SGLang")
+    return reasons
 
 
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
@@ -264,7 +412,7 @@ def from_vllm_ids(ids: list[int]) -> list[int]:
 LAYER_IDS_FIELD = "eagle_aux_hidden_state_layer_ids"
 
 
-def export_fields(aux: list[int], model_type: str) -> dict:
+def export_fields(aux: list[int], model_type: str, num_layers: int) -> dict:
     return {LAYER_IDS_FIELD: to_vllm_ids(aux)}
 
 
