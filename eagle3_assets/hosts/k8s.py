@@ -21,7 +21,7 @@ from typing import Any
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from ..common.secrets import secret_kind
+from ..common.secrets import secret_kind, secret_name
 from ..common.worker_env import NO_BAR_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
@@ -39,7 +39,6 @@ LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 _LABEL_RULE = "at most 63 characters, lowercase letters, digits and '-', beginning and ending with a letter or digit"
 _SUBDOMAIN_RULE = ("at most 253 characters, lowercase letters, digits, '-' and '.', each part between dots beginning "
                    "and ending with a letter or digit")
-LOOKS_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE", re.IGNORECASE)
 
 # The preflight probe run in a pod: the probe prints its JSON answer, and a pod's stdout does not come back
 # except through Pipes, so this relays it as the stage result message (`stage_outcome` reads it).
@@ -164,11 +163,13 @@ class K8sHost(GpuHost):
     @field_validator("env")
     @classmethod
     def _no_secret_in_env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if LOOKS_SECRET.search(key):
-                raise ValueError(f"env.{key} looks like a secret, and env values are written into the pod spec "
-                                 f"(readable by anyone who can get pods): put it in a Kubernetes Secret (kubectl create "
-                                 f"secret generic <name> --from-literal={key}=...) and list <name> under secrets")
+        for key, value in v.items():  # by its name (HF_TOKEN, WANDB_KEY, HF_AUTH) or by its value (hf_..., a PEM)
+            kind = "its name says it is a secret" if secret_name(key) else secret_kind(str(value))
+            if kind:
+                raise ValueError(f"env.{key} looks like a secret ({kind}; not shown), and env values are written into "
+                                 f"the pod spec (readable by anyone who can get pods): put it in a Kubernetes Secret "
+                                 f"(kubectl create secret generic <name> --from-literal={key}=...) and list <name> "
+                                 "under secrets")
         return v
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ pipes_k8s = pytest.importorskip("dagster_k8s.pipes")
 
 ROOT = Path(__file__).resolve().parents[2]
 README_HEADING = "## Kubernetes: each stage a Pipes pod"
+GUIDE = "docs/guides/scale-out.md"  # where the docs keep the Kubernetes steps
 TOKEN = "hf_NotARealTokenButShapedLikeOne1234"  # as the control plane's own environment might hold it
 BASE = dict(image="registry.example.com/eagle3-worker:0.1.0", namespace="ml", pvc="eagle3-work", workdir="/eagle3",
             gpus=2, secrets=["hf-token", "wandb"], node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
@@ -124,6 +125,10 @@ def test_pool_file_with_kind_k8s_builds_a_k8s_host(tmp_path):
     ({"image": "reg/w:1", "pvc": "w", "gpus": -1}, "gpus", "greater than or equal to 0"),
     ({"image": "reg/w:1", "pvc": "w", "gpus": 0}, "gpus: 0", "require_gpus: false"),
     ({"image": "reg/w:1", "pvc": "w", "env": {"HF_TOKEN": TOKEN}}, "env.HF_TOKEN", "list <name> under secrets"),
+    # a token under a name the old check let through, and one under a harmless name, found by its value
+    ({"image": "reg/w:1", "pvc": "w", "env": {"HF_AUTH": TOKEN}}, "env.HF_AUTH", "list <name> under secrets"),
+    ({"image": "reg/w:1", "pvc": "w", "env": {"WANDB_KEY": "0123abcd"}}, "env.WANDB_KEY", "list <name> under secrets"),
+    ({"image": "reg/w:1", "pvc": "w", "env": {"DOWNLOAD_OPTS": TOKEN}}, "Hugging Face token", "list <name> under secrets"),
     ({"image": "reg/w:1", "pvc": "w", "secrets": [TOKEN]}, "secrets[0]", "never a token"),
     ({"image": "reg/w:1", "pvc": "w", "secrets": {"HF_TOKEN": TOKEN}}, "secrets", "names of Kubernetes Secrets, not values"),
     # names the API server validates, refused as the file loads rather than by the cluster at the first pod
@@ -271,9 +276,9 @@ def test_no_kubeconfig_fails_naming_the_setting(tmp_path):
 
 
 def readme_k8s_hosts() -> str:
-    """The hosts file in README.md's Kubernetes section: the first ```yaml block under its heading."""
-    text = (ROOT / "README.md").read_text()
-    assert README_HEADING in text, f"README.md has no section {README_HEADING!r}"
+    """The hosts file in the scale-out guide's Kubernetes section: the first ```yaml block under its heading."""
+    text = (ROOT / GUIDE).read_text()
+    assert README_HEADING in text, f"{GUIDE} has no section {README_HEADING!r}"
     section = text.split(README_HEADING, 1)[1].split("\n## ", 1)[0]
     m = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert m, f"no ```yaml block under {README_HEADING!r}"
