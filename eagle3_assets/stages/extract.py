@@ -31,7 +31,9 @@ class ExtractSettings(EngineLaunch):
     aux_layers: list[int] | None = Field(
         default=None, min_length=3, max_length=3,
         description="3 decoder layer ids, 'output of layer i' convention (HF hidden_states[i+1]). "
-                    "Empty: [1, N//2-1, N-4], which vLLM's and SGLang's defaults also capture")
+                    "Empty: [1, N//2-1, N-4], which vLLM's and SGLang's defaults also capture; on a target of "
+                    "3-6 layers, where those are not distinct, [0, N//2, N-1] (written into the vLLM export; SGLang "
+                    "cannot read a last layer, so drafter_export leaves its dialect out, saying why)")
     max_length: int = Field(default=2048, gt=0, description="tokens per sample; longer samples are truncated")
     batch_tokens: int = Field(default=16384, gt=0, description="padded tokens per forward batch")
     part_bytes: int = Field(default=1 << 30, gt=0, description="target size of one safetensors part file")
