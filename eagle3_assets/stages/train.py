@@ -19,7 +19,9 @@ class TrainSettings(Settings):
     run_name: str = Field(default="default", description="output under drafter/<run_name>, a plain "
                           "name (letters, digits, -_.); a rerun with the same name, inputs and settings resumes")
     init_from: str | None = Field(default=None, description="an existing EAGLE-3 checkpoint directory on the host "
-                                     "to finetune; its draft vocab and aux layers are reused")
+                                     "to finetune, or shipped:<name>, a base drafter the package ships (the "
+                                     "embedded target's: shipped:smollm2-135m-instruct); its draft vocab and aux "
+                                     "layers are reused")
     epochs: int = Field(default=3, gt=0)
     lr: float = Field(default=1e-4, gt=0)
     warmup_ratio: float = Field(default=0.015, ge=0, lt=1)

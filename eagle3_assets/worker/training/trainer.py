@@ -116,13 +116,14 @@ class Trainer:
 
     def _load_inputs(self) -> None:
         """The shards and the draft vocab, or a finetune's checkpoint (its vocab and aux layers reused)."""
+        from .base_drafters import init_dir
         from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids
 
         args, tc = self.args, self.tc
         shard_dirs = [resolve(self.workdir, s) for s in args.shards]
         self.init_dir = self.vocab_path = self.weights = None
         if args.init_from:
-            self.init_dir = resolve(self.workdir, args.init_from)
+            self.init_dir = init_dir(self.workdir, args.init_from)
             self.cfg, self.weights = load_drafter_dir(self.init_dir, tc)
             ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
                                tc.model_type)
