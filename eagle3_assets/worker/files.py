@@ -67,16 +67,30 @@ def cached_sha256(path: Path) -> str:
 
 
 @contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling path; rename it over `path` only if the block finishes."""
+def atomic_file(path: Path, fsync: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path; rename it over `path` only if the block finishes. `fsync`: the content
+    is on disk before the rename, and the rename after it, so a crash or power loss leaves the old file or the
+    whole new one under `path`, never a short one (a file later runs reuse as complete)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
     try:
         yield tmp
+        if fsync:
+            _sync(tmp)
         os.replace(tmp, path)
+        if fsync:
+            _sync(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory too: fsync on it makes a rename in it durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -97,8 +111,8 @@ def require_file(path: Path, what: str, hint: str) -> Path:
     return path
 
 
-def write_json(path: Path, obj) -> None:
-    with atomic_file(path) as tmp:
+def write_json(path: Path, obj, fsync: bool = False) -> None:
+    with atomic_file(path, fsync) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,13 +63,78 @@ def test_a_held_out_prompt_planted_among_the_candidates_is_dropped(built, tmp_pa
     parts.mkdir()
     fp = synthesize._fingerprint(stages.validate("synthesize", args), Path(args["target"]), Path(args["train"]))
     (parts / "fingerprint.json").write_text(json.dumps(fp, sort_keys=True))
-    (parts / "chunk-00000.jsonl").write_text("".join(
-        json.dumps({"text": t, "ids": list(range(12)), "capped": False, "opening": ""}) + "\n" for t in planted))
+    synthesize.write_chunk(parts / "chunk-00000.jsonl",
+                           [{"text": t, "ids": list(range(12)), "capped": False, "opening": ""} for t in planted])
     meta = _meta(run_stage(built.workdir, "synthesize", args))
     assert [t for _, t in _prompts(out)] == fresh
     assert meta["dropped_near_held_out_prompt"] == 2 and meta["dropped_near_training_prompt"] == 1
     assert meta["dropped_assistant_voice"] == 1
     assert meta["chunks_reused"] == 1 and meta["candidates"] == 6  # it stops once it has its two
+
+
+@pytest.fixture(scope="module")
+def kept_candidates(built, tmp_path_factory):
+    """One synthesis of SMALLER (two chunks or more): the arguments, the set it published and its chunks on disk."""
+    out = tmp_path_factory.mktemp("kept") / "s.parquet"
+    args = _args(built, out, **SMALLER)
+    _meta(run_stage(built.workdir, "synthesize", args))
+    return args, _prompts(out), out.with_name(out.name + ".parts")
+
+
+def _again(built, kept_candidates, tmp_path, damage):
+    """The kept chunks copied beside a new output, damaged by `damage(parts)`, then the stage run again."""
+    args, published, kept = kept_candidates
+    out = tmp_path / "s.parquet"
+    parts = out.with_name(out.name + ".parts")
+    shutil.copytree(kept, parts)
+    damage(parts)
+    done = run_stage(built.workdir, "synthesize", {**args, "out": str(out)})
+    return done, _meta(done), _prompts(out), published, parts
+
+
+def _cut(path: Path, size: int) -> None:
+    """What a crash or a full disk leaves: the file's first `size` bytes."""
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _last_kept(kept_candidates) -> tuple[str, int]:
+    """The chunk holding the last prompt of the set, and that prompt's line in it (ids are syn-<chunk>-<line>)."""
+    _, chunk, line = kept_candidates[1][-1][0].split("-")
+    return f"chunk-{chunk}.jsonl", int(line)
+
+
+@pytest.mark.parametrize("how, why", [("at_line_end", "cut short"), ("within_line", "ends within a line (torn)"),
+                                      ("altered", "does not match the hash on its last line")])
+def test_a_chunk_cut_short_torn_or_altered_is_generated_again(built, kept_candidates, tmp_path, how, why):
+    """A chunk damaged at the line of a prompt the set holds: cut before that line (whole lines still), within
+    it, or its words changed. Reused, it would publish another set without a word, or crash naming no file; it
+    is generated again, the log naming it and why."""
+    name, line = _last_kept(kept_candidates)
+
+    def damage(parts):
+        lines = (parts / name).read_bytes().splitlines(keepends=True)
+        head, it = b"".join(lines[:line]), lines[line]
+        changed = {"at_line_end": b"", "within_line": it[: len(it) // 2],
+                   "altered": it.replace(b'"text": "', b'"text": "Oh ', 1)}[how]
+        (parts / name).write_bytes(head + changed + (b"".join(lines[line + 1:]) if how == "altered" else b""))
+
+    done, meta, prompts, published, parts = _again(built, kept_candidates, tmp_path, damage)
+    assert prompts == published
+    assert f"candidate chunk {parts / name} " in done.stderr and why in done.stderr, done.stderr[-2000:]
+    assert "JSONDecodeError" not in done.stderr and meta["chunks_regenerated"] == 1
+
+
+def test_a_torn_fingerprint_is_named_and_the_candidates_made_afresh(built, kept_candidates, tmp_path):
+    """Without the settings the chunks were made with, none of them can be trusted: all are generated again."""
+    def damage(parts):
+        _cut(parts / "fingerprint.json", (parts / "fingerprint.json").stat().st_size // 2)
+
+    done, meta, prompts, published, parts = _again(built, kept_candidates, tmp_path, damage)
+    assert done.returncode == 0 and prompts == published
+    assert f"{parts / 'fingerprint.json'} is torn or not JSON" in done.stderr, done.stderr[-2000:]
+    assert "JSONDecodeError" not in done.stderr and meta["chunks_reused"] == 0
+    assert json.loads((parts / "fingerprint.json").read_text()) == json.loads(
+        (kept_candidates[2] / "fingerprint.json").read_text())  # written whole again
 
 
 @pytest.mark.slow  # three worker processes, one killed mid-run: 42 s on 2 cores

@@ -10,7 +10,10 @@ synthetic one.
 Candidates are generated `chunk_size` at a time from seeds fixed by (seed, chunk) (a server takes one per
 candidate, hf one per batch, its first candidate's) and each chunk is kept on disk as it is written: a rerun
 with the same generation settings reuses the chunks there and keeps the same set, and changing only the
-filters re-judges them without generating again."""
+filters re-judges them without generating again. A chunk closes with a line holding its candidates' count
+and the hash of the lines above it, and is written to a temporary name, synced and renamed (so is the
+settings' `fingerprint.json`): one cut short, at a line end or within a line, or altered, is generated again,
+the log naming it and why, never reused as complete."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import StageError
-from ..files import atomic_file, hash_files, require_file, resolve, sha256_file
+from ..files import atomic_file, hash_files, require_file, resolve, sha256_file, write_json
 from ..target.chat import render
 from ..target.model import load_tokenizer, weight_files
 from .backends import Sampler, Settings, backend, degenerate
@@ -80,6 +83,62 @@ def _fingerprint(args: SynthesizeArgs, target: Path, train: Path) -> dict:
                                             "max_new_tokens", "chunk_size", "dtype")}}
 
 
+def _stale(path: Path, fp: dict) -> str | None:
+    """Why the candidates kept next to fingerprint file `path` cannot be reused under settings `fp`, or None."""
+    try:
+        kept = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{path} cannot be read ({e})"
+    except json.JSONDecodeError as e:
+        return f"{path} is torn or not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+    if kept == fp:
+        return None
+    differ = sorted(k for k in fp if not isinstance(kept, dict) or kept.get(k) != fp[k])
+    return f"they were made with other settings ({', '.join(differ) or 'other keys'} differ; {path})"
+
+
+def write_chunk(path: Path, cands: list[dict]) -> None:
+    """One chunk of candidates, a JSON line each, closed by the line `read_chunk` checks them against."""
+    body = "".join(json.dumps(c) + "\n" for c in cands).encode()
+    end = json.dumps({"chunk": {"count": len(cands), "sha256": hashlib.sha256(body).hexdigest()}}) + "\n"
+    with atomic_file(path, fsync=True) as tmp:
+        tmp.write_bytes(body + end.encode())
+
+
+def read_chunk(path: Path) -> tuple[list[dict] | None, str]:
+    """A chunk's candidates, or None and why it is not a complete chunk as `write_chunk` writes one."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror})"
+    if not data:
+        return None, "is empty (cut short)"
+    if not data.endswith(b"\n"):
+        return None, "ends within a line (torn)"
+    body, _, last = data[:-1].rpartition(b"\n")
+    body = body + b"\n" if body else b""
+    try:
+        end = json.loads(last)["chunk"]
+        count, digest = int(end["count"]), str(end["sha256"])
+    except (ValueError, TypeError, KeyError):
+        return None, ("does not end with the line holding its count and hash: cut short at a line end, or "
+                      "written by an older version")
+    lines = body.splitlines()
+    if len(lines) != count:
+        return None, f"holds {len(lines)} candidates where its last line says {count} (cut short)"
+    if hashlib.sha256(body).hexdigest() != digest:
+        return None, "does not match the hash on its last line (altered or damaged)"
+    try:
+        cands = [json.loads(x) for x in lines]
+    except ValueError as e:
+        return None, f"holds a line that is not JSON ({e})"
+    if not all(isinstance(c, dict) and {"text", "ids", "capped"} <= set(c) for c in cands):
+        return None, "holds a line that is not a candidate (text, ids, capped)"
+    return cands, ""
+
+
 def _judge(c: dict, args: SynthesizeArgs, dedup: NearDuplicates) -> str | None:
     text = c["text"].strip()
     words = len(text.split())
@@ -117,7 +176,7 @@ class _Tokens:
 
 
 def _write(out: Path, rows: list[dict]) -> str:
-    with atomic_file(out) as tmp:
+    with atomic_file(out, fsync=True) as tmp:  # what is published: whole on disk before it has its name
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
     return sha256_file(out)[:32]
 
@@ -156,17 +215,18 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     prefix = tok(user_turn_prefix(tok), add_special_tokens=False)["input_ids"]
 
     parts = out.with_name(out.name + ".parts")
-    fp = _fingerprint(args, target, train_path)
-    if parts.exists() and (not (parts / "fingerprint.json").exists()
-                           or json.loads((parts / "fingerprint.json").read_text()) != fp):
-        reporter.log(f"the candidates kept in {parts} were made with other settings: generating afresh")
+    fp, fp_path = _fingerprint(args, target, train_path), parts / "fingerprint.json"
+    stale = _stale(fp_path, fp) if parts.exists() else "none kept"
+    if stale and parts.exists():
+        reporter.log(f"the candidates kept in {parts} cannot be reused: {stale}: generating afresh")
         shutil.rmtree(parts)
-    parts.mkdir(parents=True, exist_ok=True)
-    (parts / "fingerprint.json").write_text(json.dumps(fp, sort_keys=True))
+    if stale:
+        parts.mkdir(parents=True, exist_ok=True)
+        write_json(fp_path, fp, fsync=True)
 
     max_chunks = -(-int(args.count * args.max_candidates_per_prompt) // args.chunk_size)
     kept, filtered, examples, candidates = [], Counter(), {}, 0
-    tokens, reused, t0 = _Tokens(), 0, time.monotonic()
+    tokens, reused, redone, t0 = _Tokens(), 0, 0, time.monotonic()
     sampler = Sampler("synthetic", args.temperature, args.top_p, args.seed)
     reporter.log(f"writing {args.count} prompts with {target.name} ({args.method}, temperature {args.temperature}, "
                  f"top_p {args.top_p}) on {args.backend}; {len(human)} training and {len(held_rows)} held-out human "
@@ -177,13 +237,15 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
             if len(kept) >= args.count:
                 break
             path = parts / f"chunk-{chunk:05d}.jsonl"
-            if path.exists():
-                cands = [json.loads(x) for x in path.read_text().splitlines()]
+            cands, why = read_chunk(path) if path.exists() else (None, "")
+            if cands is not None:
                 reused += 1
             else:
+                if why:  # never reused as it is: a short chunk would change the set published
+                    reporter.log(f"candidate chunk {path} {why}: generating it again", level="warning")
+                    redone += 1
                 cands = _generate(complete, chunk, args, prefix, seeds, tok, sampler, tokens)
-                with atomic_file(path) as tmp:
-                    tmp.write_text("".join(json.dumps(c) + "\n" for c in cands))
+                write_chunk(path, cands)
             before = len(kept)
             for i, c in enumerate(cands):
                 candidates += 1
@@ -210,7 +272,8 @@ def run(workdir: str, args: SynthesizeArgs, reporter) -> None:
     reporter.materialize(metadata={
         "path": str(out), "prompts": len(kept), "candidates": candidates, "kept_share": round(len(kept) / candidates, 4),
         **{f"dropped_{r}": filtered[r] for r in REASONS},
-        "generated_tokens": tokens.tokens, "chunks_reused": reused, "wall_s": round(wall, 2),
+        "generated_tokens": tokens.tokens, "chunks_reused": reused,
+        "chunks_regenerated": redone, "wall_s": round(wall, 2),
         "prompts_per_s": round(len(kept) / max(wall, 1e-9), 3),
         "mean_words": round(sum(len(r["messages"][0]["content"].split()) for r in kept) / len(kept), 1),
         "settings": settings, **dtype_info,
