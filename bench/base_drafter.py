@@ -11,6 +11,8 @@ data_s8 (L3_e15 on 400 human + 2,800 synthetic prompts: 1.886 in vLLM on the 54 
     python bench/base_drafter.py build --workdir /tmp/base       # every stage; rerun resumes where it stopped
     python bench/base_drafter.py build --stop-after data          # ... only the data (a device call's limit)
     python bench/base_drafter.py ship --out eagle3_assets/base_drafters/smollm2-135m-instruct --commit HASH
+    python bench/base_drafter.py serve --drafter $DAGSTER_HOME/host-work/drafter/default/model --name main
+                                       # vLLM (k=3, 128 tokens, c=1) on the 54 test prompts, here on a CPU
 
 `build` prints each stage's wall time and writes build.json in the workdir (timings, data sizes, figures);
 `ship` writes the drafter in bf16, cut into files under PART_BYTES, and lineage.json (recipe, data sizes,
@@ -217,13 +219,55 @@ def write_lineage(d: Path, built: dict, commit: str | None = None) -> None:
     tmp.replace(d / "lineage.json")
 
 
+def serve(w: Path, drafter: Path, name: str, offline: bool) -> dict:
+    """A drafter (the main command's finetune, say) in vLLM on the recipe study's 54 test prompts (k=3, greedy,
+    128 new tokens, concurrency 1) and, with `offline`, our offline speculation on them: one row in
+    bench/results/base_drafter.jsonl, with the CPU and its load (this machine is shared)."""
+    import os as _os
+
+    import pyarrow.parquet as pq
+
+    from eagle3_assets.worker.compute_dtype import cpu as cpu_info
+
+    _, res = stage(w, "prepare_target", {"path": None})
+    target = res["path"]
+    (w / "prompts").mkdir(parents=True, exist_ok=True)
+    pq.write_table(prompts_table(splits()["test"]), w / "prompts" / "test.parquet")
+    load = [round(x, 2) for x in _os.getloadavg()]
+    _, exp = stage(w, "export", {"drafter": str(drafter), "target": target, "out": f"exports/{name}",
+                                 "dialects": ["vllm"]})
+    common = {"target": target, "prompts": "prompts/test.parquet", "limit": None, "max_new_tokens": 128,
+              "num_speculative_tokens": 3}
+    meta, res = stage(w, "serve_bench", {**common, "engine": "vllm", "drafter": exp["vllm_path"],
+                                         "out_dir": f"serving/{name}", "history": "serving/history.parquet",
+                                         "concurrencies": [1], "baseline": False, "dtype": "bfloat16",
+                                         "max_model_len": 2048, "prompt_set": "test", "checkpoint": name,
+                                         "extra_args": ["--enforce-eager"]})
+    info = cpu_info()
+    row = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": "serve", "drafter": name, "prompts": meta.get("requests"),
+           "vllm_acceptance_length": meta["acceptance_length"], "vllm_per_position": meta["acceptance_per_pos"],
+           "serve_wall_s": res["_wall_s"], "cpu": info["cpu"], "cpu_isa": info["cpu_isa"],
+           "load_before": load, "load_after": [round(x, 2) for x in _os.getloadavg()]}
+    if offline:
+        off, _ = stage(w, "speculate", {**common, "drafter": str(drafter), "dtype": "float32"})
+        row.update(offline_acceptance_length=off["acceptance_length"],
+                   offline_per_position=[off[f"acceptance_at_pos_{i}"] for i in range(3)])
+    with (ROOT / "bench" / "results" / "base_drafter.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["build", "ship", "lineage"])
+    ap.add_argument("command", choices=["build", "ship", "lineage", "serve"])
     ap.add_argument("--workdir", default=str(ROOT / "bench" / "work" / "base"))
     ap.add_argument("--batch-size", type=int, default=256, help="generation batch (a GPU takes hundreds)")
     ap.add_argument("--stop-after", choices=["data", "train"], help="build: stop after the data or the training")
     ap.add_argument("--out", help="ship: the shipped directory")
+    ap.add_argument("--drafter", help="serve: the drafter directory (default: the shipped base drafter)")
+    ap.add_argument("--name", default="base", help="serve: the row's name")
+    ap.add_argument("--offline", action="store_true", help="serve: also our offline speculation (float32, slow on a CPU)")
     ap.add_argument("--commit", help="the repository commit the build ran at (recorded in build.json and lineage)")
     a = ap.parse_args()
     w = Path(a.workdir).resolve()
@@ -234,6 +278,9 @@ def main() -> None:
             info.update(commit=a.commit, date=time.strftime("%Y-%m-%d"))
             (w / "build.json").write_text(json.dumps(info, indent=2))
         build(w, a.batch_size, a.stop_after)
+    elif a.command == "serve":
+        serve(w, Path(a.drafter).resolve() if a.drafter else ROOT / "eagle3_assets" / "base_drafters" / NAME, a.name,
+              a.offline)
     elif a.command == "ship":
         ship(w, Path(a.out).resolve(), a.commit)
     else:  # lineage.json of a shipped directory again, from a build.json (a device's, copied back)
