@@ -14,6 +14,8 @@ from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenc
 from .failover import build_failover_sensor, extract_on_host_job
 from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
+from .live_acceptance import SERVERS_ENV
+from .live_acceptance import build as build_live_acceptance
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
@@ -90,16 +92,24 @@ train_drafter_job = dg.define_asset_job(
     "train_drafter", selection=TRAIN_DRAFTER, tags=ON_PRIMARY,
     description="train the drafter on all shards, export it for vLLM and SGLang, measure offline acceptance")
 
+integration_gate_job = dg.define_asset_job(
+    "integration_gate", selection=["integration_drafter", "integration_check"], partitions_def=engine_partitions,
+    tags=ON_PRIMARY, description="before the full training: a drafter memorising a few extracted conversations, "
+                                 "served by the engine (partition) on them; eagle3_drafter waits for it to pass")
 benchmark_serving_job = dg.define_asset_job(
     "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions, tags=ON_PRIMARY,
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
+# the production servers the serving eye reads (EAGLE3_SERVERS): an asset per server and the sensor reading them
+live_specs, live_sensors = build_live_acceptance(os.environ.get(SERVERS_ENV))
+
 defs = dg.Definitions(
-    assets=all_assets,
-    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, train_drafter_job,
+    assets=[*all_assets, *live_specs],
+    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
+          train_drafter_job,
           benchmark_serving_job, rebenchmark_job, regression_report_job],
     schedules=[nightly_rebenchmark],
-    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job])],
+    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job]), *live_sensors],
     resources={"gpu_host": gpu_host},
 )

@@ -5,7 +5,6 @@ its own work directory. Used by tests/hosts/test_host_pool.py and bench/backfill
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import dagster as dg
 import yaml
 
 from conftest import TINY
+from daemon_harness import start_daemon, stop_daemon
 from eagle3_assets.assets import all_assets
 from eagle3_assets.hosts import HOST_TAG, HostPool
 
@@ -52,18 +52,10 @@ class Pool:
                               resources={"gpu_host": self.resource}, run_config={"ops": {k: v for k, v in ops.items() if v}})
 
     def start_daemon(self) -> None:
-        self.daemon = subprocess.Popen(["dagster-daemon", "run", "-w", str(ROOT / "workspace.yaml")], cwd=ROOT,
-                                       env=self.env, start_new_session=True, stdout=open(self.root / "daemon.log", "ab"),
-                                       stderr=subprocess.STDOUT)
+        self.daemon = start_daemon(self.env, self.root / "daemon.log")
 
     def stop_daemon(self) -> None:
-        if self.daemon and self.daemon.poll() is None:
-            os.killpg(self.daemon.pid, signal.SIGTERM)  # its own process group: the daemon and its code server
-            try:
-                self.daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.daemon.pid, signal.SIGKILL)
-                self.daemon.wait()
+        stop_daemon(self.daemon)
 
     def backfill(self) -> float:
         t0 = time.time()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from pathlib import Path
 
+from ....common.spec_counters import acceptance_between
 from ...compute_dtype import cores
 from ...errors import StageError
 from .. import support_probe, target_shapes
@@ -337,33 +337,6 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
     return argv + _attention_flags(target, dtype, extra) + list(extra)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[tuple[str, tuple], float]:
-    """Prometheus text exposition -> {(name, sorted labels): value}; counters' `_total` suffix dropped."""
-    out: dict[tuple[str, tuple], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        if name.endswith("_created"):
-            continue
-        name = name[: -len("_total")] if name.endswith("_total") else name
-        key = (name, tuple(sorted(_LABEL.findall(labels))))
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def _sum(samples: dict, name: str, **match) -> float:
-    return sum(v for (n, labels), v in samples.items()
-               if n == name and all(dict(labels).get(k) == str(x) for k, x in match.items()))
-
-
 def server_plan(concurrencies: list[int]) -> list[list[int]]:
     """Its counters are read before and after each measurement: one server measures every concurrency."""
     return [list(concurrencies)]
@@ -375,25 +348,6 @@ def measure_start(server) -> str:
 
 def acceptance(server, before: str, k: int) -> dict:
     return acceptance_between(before, server.get("/metrics")[1].decode(), k)
-
-
-def acceptance_between(before: str, after: str, k: int) -> dict:
-    """Acceptance between two /metrics scrapes, with vLLM's definitions: length = 1 + accepted/drafts (the
-    bonus token included), rate = accepted/drafted, position i = accepted at i / drafts."""
-    b, a = parse_prometheus(before), parse_prometheus(after)
-
-    def delta(name, **match):
-        return _sum(a, f"vllm:spec_decode_{name}", **match) - _sum(b, f"vllm:spec_decode_{name}", **match)
-
-    drafts = delta("num_drafts")
-    if drafts <= 0:
-        return {"num_drafts": 0}
-    accepted, drafted = delta("num_accepted_tokens"), delta("num_draft_tokens")
-    return {
-        "num_drafts": int(drafts), "num_draft_tokens": int(drafted), "num_accepted_tokens": int(accepted),
-        "acceptance_length": 1 + accepted / drafts, "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "acceptance_per_pos": [delta("num_accepted_tokens_per_pos", position=i) / drafts for i in range(k)],
-    }
 
 
 # ---------------- layer ids: the export dialect, and extraction's capture ids ----------------

@@ -1,0 +1,196 @@
+"""The serving eye's first signal: acceptance as the production servers see it, from their own counters.
+
+The servers are listed in a YAML file (`EAGLE3_SERVERS`), each with its engine and, where the server does not
+tell, the drafter it serves. A sensor scrapes each one at an interval and records what happened since its last
+read as an observation of that server's asset `live_acceptance/<name>` (Dagster plots the numbers over time):
+vLLM's `/metrics` counters differenced into acceptance length and per-position acceptance; SGLang's
+`/get_server_info`, whose `avg_spec_accept_length` is an average since the server started (SGLang exposes no
+counters to difference). A sensor rather than an observable source asset: the difference needs the previous
+read, which the sensor's cursor keeps between ticks, and a tick launches no run (it costs one HTTP request per
+server). A server that does not answer is an observation saying so; counters that went back (a restart) start a
+new window from the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .common import spec_counters
+from .stages.base import plain_name
+
+SERVERS_ENV = "EAGLE3_SERVERS"
+ASSET_PREFIX = "live_acceptance"
+DEFAULT_INTERVAL_S = 60
+
+
+class Server(BaseModel):
+    """One production server the eye watches."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="a plain name: the asset live_acceptance/<name>")
+    url: str = Field(description="the server's base URL, e.g. http://10.0.0.5:8000 (its /metrics and API)")
+    engine: Literal["vllm", "sglang"] = "vllm"
+    drafter: str | None = Field(default=None, description="the drafter it serves (an export's path on the host), "
+                                "where the server does not tell: vLLM says it only with VLLM_SERVER_DEV_MODE=1")
+    timeout_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        return plain_name(v)
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} is not an http(s) URL: give the server's base URL, e.g. http://127.0.0.1:8000")
+        return v.rstrip("/")
+
+
+class ServersFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    servers: list[Server] = Field(min_length=1)
+    interval_s: int = Field(default=DEFAULT_INTERVAL_S, ge=5, description="seconds between two reads of a server")
+
+
+def load_servers(path: str) -> ServersFile:
+    where = f"servers file {path}" + (f" ({SERVERS_ENV})" if os.environ.get(SERVERS_ENV) == path else "")
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read: {e.strerror}") from None
+    except yaml.MarkedYAMLError as e:
+        m = e.problem_mark
+        raise ValueError(f"{where} is not valid YAML: line {m.line + 1 if m else '?'}: {e.problem}") from None
+    try:
+        parsed = ServersFile.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(file)'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{where}: {bad} (expected servers: [{{name, url, engine, drafter}}], interval_s)") from None
+    names = [s.name for s in parsed.servers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: server names must differ: {sorted({n for n in names if names.count(n) > 1})}")
+    return parsed
+
+
+def asset_key(name: str) -> dg.AssetKey:
+    return dg.AssetKey([ASSET_PREFIX, name])
+
+
+# ---- one read of one server -----------------------------------------------------------------------------
+def _get(url: str, timeout_s: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (the user's own server URL)
+        return r.read()
+
+
+def _vllm_drafter(server: Server) -> tuple[str | None, str]:
+    """The drafter a vLLM server serves: its own word where it gives it (/server_info, a dev-mode route), else
+    the servers file's."""
+    try:
+        info = json.loads(_get(f"{server.url}/server_info?config_format=json", server.timeout_s))
+        spec = (info.get("vllm_config") or {}).get("speculative_config") or {}
+        if isinstance(spec, dict) and spec.get("model"):
+            return str(spec["model"]), "server"
+    except (OSError, ValueError):  # not in dev mode (404), or not JSON: the file says
+        pass
+    return server.drafter, "config"
+
+
+def read(server: Server) -> dict:
+    """What the server's counters say now: {"ok": True, "counters" | "since_start", "drafter", ...} or
+    {"ok": False, "error"}."""
+    try:
+        if server.engine == "vllm":
+            counters = spec_counters.vllm_counters(_get(f"{server.url}/metrics", server.timeout_s).decode())
+            if not counters["present"]:
+                return {"ok": False, "error": "its /metrics has no vllm:spec_decode_* counters: it serves without "
+                                              "speculative decoding, or is not vLLM"}
+            drafter, told = _vllm_drafter(server)
+            return {"ok": True, "counters": counters, "drafter": drafter, "drafter_from": told}
+        info = json.loads(_get(f"{server.url}/get_server_info", server.timeout_s))
+        states = info.get("internal_states") or [{}]
+        return {"ok": True, "since_start": states[0].get("avg_spec_accept_length"),
+                "drafter": info.get("speculative_draft_model_path") or server.drafter,
+                "drafter_from": "server" if info.get("speculative_draft_model_path") else "config"}
+    except (OSError, ValueError) as e:  # refused, timed out, HTTP error, not JSON
+        reason = e.reason if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError) else e
+        return {"ok": False, "error": f"{type(e).__name__}: {reason}"}
+
+
+def observe(server: Server, now: dict, before: dict | None, t: float) -> tuple[dg.AssetObservation, dict | None]:
+    """The observation of one interval, and what to keep for the next (None: keep the last good read)."""
+    base = {"engine": server.engine, "url": server.url}
+    if not now["ok"]:
+        meta = {**base, "status": f"unreachable: {now['error']}"}
+        return dg.AssetObservation(asset_key=asset_key(server.name), metadata=meta), None
+    base.update({"drafter": now.get("drafter") or "unknown (set drafter in the servers file)",
+                 "drafter_from": now["drafter_from"]})
+    if server.engine == "sglang":
+        al = now["since_start"]
+        meta = {**base, "status": "ok" if al is not None else "idle",
+                "window": "since the server started (SGLang reports an average, no counters)"}
+        if al is not None:
+            meta["acceptance_length"] = float(al)
+        return dg.AssetObservation(asset_key=asset_key(server.name), metadata=meta), {"t": t}
+    prev = before.get("counters") if before else None
+    w = spec_counters.window(prev, now["counters"])
+    if prev is None:
+        status = "first read: figures since the server started"
+    elif w["restarted"]:
+        status = "restarted: its counters went back; a new window from the restart"
+    else:
+        status = "ok" if w["num_drafts"] else "idle: no speculative step since the last read"
+    meta = {**base, "status": status, "num_drafts": w["num_drafts"]}
+    if before and not w["restarted"]:
+        meta["window_s"] = round(t - before["t"], 1)
+    if w["num_drafts"]:
+        meta.update({"acceptance_length": round(w["acceptance_length"], 4),
+                     "acceptance_rate": round(w["acceptance_rate"], 4),
+                     "num_draft_tokens": w["num_draft_tokens"], "num_accepted_tokens": w["num_accepted_tokens"],
+                     "acceptance_per_pos": json.dumps([round(x, 4) for x in w["acceptance_per_pos"]])})
+    return dg.AssetObservation(asset_key=asset_key(server.name), metadata=meta), {"t": t, "counters": now["counters"]}
+
+
+def tick(servers: list[Server], cursor: str | None) -> tuple[list[dg.AssetObservation], str]:
+    """One round over every server: the observations and the next cursor (each server's last good read)."""
+    kept = json.loads(cursor) if cursor else {}
+    events = []
+    for s in servers:
+        t = time.time()
+        event, keep = observe(s, read(s), kept.get(s.name), t)
+        events.append(event)
+        if keep is not None:
+            kept[s.name] = keep
+    return events, json.dumps(kept)
+
+
+# ---- the Dagster side -----------------------------------------------------------------------------------
+def build(path: str | None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinition]]:
+    """The servers' assets and the sensor reading them, from the servers file; none without one."""
+    if not path:
+        return [], []
+    parsed = load_servers(path)
+    specs = [dg.AssetSpec(asset_key(s.name), group_name="serving",
+                          description=f"live acceptance of the {s.engine} server {s.name} ({s.url}), read from its "
+                                      "own counters by live_acceptance_sensor; one observation per interval")
+             for s in parsed.servers]
+
+    @dg.sensor(name="live_acceptance_sensor", minimum_interval_seconds=parsed.interval_s,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="reads each production server's speculative-decoding counters (EAGLE3_SERVERS) and "
+                           "records the acceptance since the last read as an observation")
+    def live_acceptance_sensor(context: dg.SensorEvaluationContext):
+        events, cursor = tick(parsed.servers, context.cursor)  # the servers the code location was loaded with
+        return dg.SensorResult(asset_events=events, cursor=cursor)
+
+    return specs, [live_acceptance_sensor]
