@@ -81,6 +81,8 @@ def materialize(args) -> int:
     for i, key in enumerate(keys, 1):
         if not run("extract_hidden_states", ["hidden_state_shards"], key, f"hidden_state_shards {key} ({i}/{len(keys)})"):
             return 1
+    if not _integration_gate(instance, run_config, run):  # before training: its time counts against the deadline
+        return 1
     if deadline is not None:
         _fit_training(instance, run_config, deadline, time.monotonic() - t0)
     if not run("train_drafter", TRAIN_DRAFTER):
@@ -96,6 +98,25 @@ def materialize(args) -> int:
                                          if deadline is not None else "")
           + f": {len(keys)} shards; open the UI with `dagster dev -w workspace.yaml`", flush=True)
     return 0
+
+
+def _integration_gate(instance, run_config: dict, run) -> bool:
+    """The integration gate for the default engine, unless the drafter's config (or the environment) skips it:
+    False, with its verdict printed, when it failed."""
+    from .assets.drafter import GATE_ENV
+    from .assets.integration import gate_state
+
+    cfg = run_config.get("ops", {}).get("eagle3_drafter", {}).get("config", {})
+    if (cfg.get("integration_gate") or os.environ.get(GATE_ENV) or "require") == "skip":
+        print("==> integration gate skipped (integration_gate: skip)", flush=True)
+        return True
+    engine = cfg.get("integration_engine", DEFAULT)
+    ran = run("integration_gate", ["integration_drafter", "integration_check"], engine, f"integration gate {engine}")
+    passed, why = gate_state(instance, engine)  # a failed gate fails its run too (a blocking check): say why
+    if not ran and passed:  # an older verdict: this run failed before giving one
+        return False
+    print(f"==> integration gate {engine}: {'passed' if passed else 'FAILED'}: {why}", flush=True)
+    return bool(passed)
 
 
 def _fit_training(instance, run_config: dict, deadline: float, elapsed: float) -> None:

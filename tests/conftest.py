@@ -31,6 +31,11 @@ TINY = {
 }
 
 
+# The shared graph trains drafters without serving them first: the integration gate, and that it blocks the full
+# training, are tested in serving/test_integration_gate.py, which asks for it.
+os.environ.setdefault("EAGLE3_INTEGRATION_GATE", "skip")
+
+
 def pytest_configure(config):
     """The fast tier (`-m "not slow"`) runs torch single-threaded, in this process and in every worker it starts
     (they inherit OMP_NUM_THREADS), unless OMP_NUM_THREADS is set already. The tests' models are tiny: a second

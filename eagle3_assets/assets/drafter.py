@@ -1,19 +1,58 @@
 """eagle3_drafter: the EAGLE-3 draft head trained on the hidden-state shards (stage `train`)."""
 
+import os
+
 import dagster as dg
+from pydantic import Field
 
 from ..code_versions import code_version
+from ..common.engines import DEFAULT, NAMES
 from ..hosts import GpuHost, Held
 from ..stages.train import TrainSettings
+from .integration import gate_state
 from .partitions import shard_partitions
 from .paths import DRAFTER_DIR, SHARDS_DIR, VOCAB
 from .upstream import upstream_metadata
+
+GATE_ENV = "EAGLE3_INTEGRATION_GATE"  # require | skip: the default of integration_gate on this deployment
 
 
 class DrafterConfig(dg.Config, TrainSettings):
     """The train stage's settings (eagle3_assets/stages/train.py). Pydantic checks their bounds as the step
     starts, before the asset runs anything: Dagster's config schema (what the launchpad checks) carries types
     only."""
+
+    integration_gate: str | None = Field(
+        default=None, description="require: train only once integration_check passed for integration_engine (a "
+        f"failed or missing gate refuses the run); skip: train anyway, recorded in the metadata. None: ${GATE_ENV}, "
+        "else require")
+    integration_engine: str = Field(default=DEFAULT, description="the engine the drafter is for: its "
+                                    "integration_check partition must have passed (" + ", ".join(NAMES) + ")")
+
+
+_GATE_FIELDS = {"integration_gate", "integration_engine"}
+
+
+def _gate(context: dg.AssetExecutionContext, config: DrafterConfig) -> str:
+    """Before a long training: the integration gate's verdict for the engine, or a Failure saying what to do."""
+    choice = config.integration_gate or os.environ.get(GATE_ENV) or "require"
+    if choice not in ("require", "skip"):
+        raise dg.Failure(description=f"integration_gate (or ${GATE_ENV}) is {choice!r}: set it to require or skip")
+    if choice == "skip":
+        return f"skipped (integration_gate skip): the {config.integration_engine} integration was not checked"
+    if config.integration_engine not in NAMES:
+        raise dg.Failure(description=f"integration_engine must be one of {list(NAMES)}, got {config.integration_engine!r}")
+    passed, why = gate_state(context.instance, config.integration_engine)
+    if passed is None:
+        raise dg.Failure(description=f"{why}: materialize integration_drafter, then integration_check partition "
+                                     f"{config.integration_engine}, before the full training (minutes instead of hours "
+                                     "to learn that the engine cannot serve it); or set integration_gate: skip",
+                         allow_retries=False)
+    if not passed:
+        raise dg.Failure(description=f"integration_check failed for {config.integration_engine}, so the full training "
+                                     f"does not start: {why}\n\nFix that, rematerialize integration_check, then train; "
+                                     "or set integration_gate: skip", allow_retries=False)
+    return f"passed for {config.integration_engine}: {why}"
 
 
 def _shards(context: dg.AssetExecutionContext) -> list[Held]:
@@ -26,15 +65,19 @@ def _shards(context: dg.AssetExecutionContext) -> list[Held]:
     return [Held("hidden_state_shards", f"{SHARDS_DIR}/shard-{k}", partition=k) for k in keys]
 
 
-@dg.asset(group_name="drafter", kinds={"pytorch"}, deps=["hidden_state_shards", "vocab_mapping", "target_model"],
-          pool="gpu_host", code_version=code_version(__name__, "eagle3_drafter"))
+@dg.asset(group_name="drafter", kinds={"pytorch"}, pool="gpu_host",
+          deps=["hidden_state_shards", "vocab_mapping", "target_model", "integration_check"],
+          code_version=code_version(__name__, "eagle3_drafter"))
 def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """The trained EAGLE-3 draft head (canonical checkpoint under drafter/<run_name>/model). Data version =
     hash of the saved weights: every export and benchmark downstream names the exact checkpoint. In a pool of
-    hosts it trains on the run's host, after copying there the shards other hosts hold."""
+    hosts it trains on the run's host, after copying there the shards other hosts hold. It starts only once
+    the integration gate (integration_check) passed for the engine it is for, unless told to skip it."""
+    gate = _gate(context, config)
+    context.log.info(f"integration gate: {gate}")
     target = upstream_metadata(context, "target_model")["path"]
     shards = _shards(context)
     here = gpu_host.bring(context, [*shards, Held("vocab_mapping", VOCAB), Held("target_model", target)])
     args = {"target": here[target], "shards": [here[s.path] for s in shards], "vocab": here[VOCAB],
-            "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump()}
-    return gpu_host.run_stage(context, "train", args).materialize_result()
+            "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump(exclude=_GATE_FIELDS)}
+    return gpu_host.run_stage(context, "train", args).materialize_result(integration_gate=gate)

@@ -34,7 +34,8 @@ PASSES = "integration_passes"
 
 class IntegrationDrafterConfig(dg.Config, IntegrationDataSettings):
     """How the gate's drafter memorises its samples (the train stage's settings of that name), and how it is
-    measured offline. Sized on the tests' tiny target and SmolLM2-135M (README: the integration gate)."""
+    measured offline. On SmolLM2-135M, 60 steps over 3 samples with 12-token replies gave an offline acceptance
+    length of 3.0 (k + 1 = 4), and vLLM's the same."""
 
     epochs: int = Field(default=60, gt=0, description="passes over the samples (a step per sample at these sizes)")
     lr: float = Field(default=3e-3, gt=0)
@@ -50,10 +51,14 @@ class IntegrationCheckConfig(dg.Config, ServeBenchSettings):
     """The served half: serve_bench's launch settings (baseline, concurrencies, limit and lengths are the
     gate's own), and what passes."""
 
-    min_ratio_to_offline: float = Field(default=0.85, ge=0, le=1, description="the engine's acceptance length "
-                                        "must be at least this share of the memorised drafter's offline one")
-    min_share_of_ceiling: float = Field(default=0.75, ge=0, le=1, description="... and at least this share of the "
-                                        "ceiling k + 1 (offline too: else the drafter has not memorised its samples)")
+    # Measured on SmolLM2 (3 samples, 12-token replies, k 3): correct 3.000 of offline 3.000; aux ids shifted by one
+    # 2.769 (0.92: neighbouring layers of a residual stream are alike, so a memorised drafter still lands most)
+    min_ratio_to_offline: float = Field(default=0.95, ge=0, le=1, description="the engine's acceptance length "
+                                        "must be at least this share of the memorised drafter's offline one (the same "
+                                        "drafter on the same prompts: a correct integration measures the same)")
+    min_share_of_ceiling: float = Field(default=0.7, ge=0, le=1, description="... and at least this share of the "
+                                        "ceiling k + 1 (offline too: else the drafter has not memorised its samples; "
+                                        "replies shorter than a few drafts cannot reach k + 1)")
 
 
 @dg.asset(group_name="integration", kinds={"pytorch"}, pool="gpu_host",
@@ -105,7 +110,7 @@ def integration_drafter(context: dg.AssetExecutionContext, config: IntegrationDr
         "train_final_loss_0": (train.result.get("loss") or [None])[0],
         "train_acc_0": (train.result.get("acc") or [None])[0],
         "train_wall_s": train.result["wall_s"], "source": export["source"],
-        **{k: v for k, v in export.items() if k.endswith("_path")},
+        **{k: v for k, v in export.items() if k.endswith(("_path", "_left_out"))},
         "offline_acceptance_length": offline["acceptance_length"],
         "num_speculative_tokens": config.num_speculative_tokens, "max_new_tokens": max_new,
         **times, "wall_s": round(time.monotonic() - t0, 1),
@@ -127,24 +132,33 @@ def _parity_failure(parity: dict) -> str:
             f"not wired; a constant ratio: a scale applied on one side only), then re-extract the shards")
 
 
-def verdict(engine: str, drafter: dict, served: dict | None, error: str | None, config: IntegrationCheckConfig,
-            extra_args: list[str]) -> tuple[bool, str, dict]:
-    """(passed, description, facts) for one engine: parity, then the served acceptance against the offline
-    figure and the ceiling, with serving.diagnosis's ordered, evidenced list when it fails."""
+def before_serving(engine: str, drafter: dict, config: IntegrationCheckConfig) -> tuple[str | None, dict]:
+    """What fails the gate before any server starts (why, or None), and the facts so far: the hidden-state
+    parity, then whether the drafter memorised its samples at all."""
     facts = {}
     parity = drafter.get("parity")
     if isinstance(parity, dict):
         facts.update({f"parity_{n.replace(' ', '_')}_{m}": v[m] for n, v in parity["layers"].items()
                       for m in ("norm_ratio", "cosine")})
         if not parity["passed"]:
-            return False, _parity_failure(parity), facts
-    k = int(drafter["num_speculative_tokens"])
-    ceiling, offline_al = k + 1, float(drafter["offline_acceptance_length"])
+            return _parity_failure(parity), facts
+    ceiling, offline_al = int(drafter["num_speculative_tokens"]) + 1, float(drafter["offline_acceptance_length"])
     facts.update(offline_acceptance_length=round(offline_al, 4), ceiling=ceiling)
     if offline_al < config.min_share_of_ceiling * ceiling:
-        return False, (f"the gate's drafter did not memorise its samples: offline acceptance length {offline_al:.3f} "
-                       f"of a ceiling of {ceiling} (needs {config.min_share_of_ceiling:.0%}); nothing can be told about "
-                       f"{engine} from it. Raise integration_drafter's epochs or lr"), facts
+        return (f"the gate's drafter did not memorise its samples: offline acceptance length {offline_al:.3f} of a "
+                f"ceiling of {ceiling} (needs {config.min_share_of_ceiling:.0%}); nothing can be told about {engine} "
+                "from it. Raise integration_drafter's epochs or lr"), facts
+    return None, facts
+
+
+def verdict(engine: str, drafter: dict, served: dict | None, error: str | None, config: IntegrationCheckConfig,
+            extra_args: list[str]) -> tuple[bool, str, dict]:
+    """(passed, description, facts) for one engine: what fails before serving, then the served acceptance
+    against the offline figure and the ceiling, with serving.diagnosis's ordered, evidenced list when it fails."""
+    early, facts = before_serving(engine, drafter, config)
+    if early is not None:
+        return False, early, facts
+    ceiling, offline_al = facts["ceiling"], facts["offline_acceptance_length"]
     if served is None:
         evidence = {**launch_facts(extra_args), "engine": engine}
         facts.update({k_: str(v) for k_, v in evidence.items()})
@@ -177,10 +191,11 @@ def integration_check(context: dg.AssetExecutionContext, config: IntegrationChec
     engine = context.partition_key
     drafter = upstream_metadata(context, "integration_drafter")
     t0, served, error = time.monotonic(), None, None
-    passed_parity = drafter.get("parity_passed", True)
-    if passed_parity and f"{engine}_path" not in drafter:
-        raise dg.Failure(description=f"integration_drafter has no {engine} export: rematerialize it")
-    if passed_parity:
+    early, _ = before_serving(engine, drafter, config)
+    if early is None and f"{engine}_path" not in drafter:
+        raise dg.Failure(description=f"integration_drafter has no {engine} export: "
+                                     f"{drafter.get(f'{engine}_left_out') or 'rematerialize it'}")
+    if early is None:
         try:
             run = gpu_host.run_stage(context, "serve_bench", {
                 "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
@@ -197,7 +212,7 @@ def integration_check(context: dg.AssetExecutionContext, config: IntegrationChec
             error = e.description
     passed, why, facts = verdict(engine, drafter, served, error, config, list(config.extra_args))
     serve_s = round(time.monotonic() - t0, 1)
-    meta = {"passed": passed, "verdict": dg.MetadataValue.md(why), **facts, "serve_s": serve_s,
+    meta = {"passed": passed, "verdict": dg.MetadataValue.md(why), **facts, "serve_s": serve_s, "run_id": context.run_id,
             "gate_wall_s": round(float(drafter.get("wall_s") or 0) + serve_s, 1),
             "drafter_wall_s": drafter.get("wall_s"), "train_s": drafter.get("train_s")}
     (context.log.info if passed else context.log.error)(f"integration gate {engine}: {why}")

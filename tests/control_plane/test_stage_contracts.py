@@ -84,7 +84,7 @@ CONFIGS = [
     (ConversationsConfig, "generate", {"samples_per_shard"}),
     (HiddenStatesConfig, "extract", set()),
     (VocabConfig, "vocab", set()),
-    (DrafterConfig, "train", set()),
+    (DrafterConfig, "train", {"integration_gate", "integration_engine"}),
     (ExportConfig, "export", set()),
     (OfflineAcceptanceConfig, "speculate", {"eval_set"}),
     (ServingBenchmarkConfig, "serve_bench", {"eval_set", "min_ratio_to_offline"}),
