@@ -212,7 +212,7 @@ def write_lineage(d: Path, built: dict, commit: str | None = None) -> None:
         "offline_dev": built.get("offline_dev"), "stage_wall_s": built.get("timings"),
         "stored": "bfloat16 (trained with fp32 master weights; offline figures measured on these bf16 files)",
         "files": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())
-                  if f.name != "lineage.json"},
+                  if f.name != "lineage.json" and not f.name.startswith(".")},
     }
     tmp = d / ".lineage.json.tmp"
     tmp.write_text(json.dumps(lineage, indent=2) + "\n")
