@@ -94,7 +94,7 @@ def materialize(args) -> int:
     if not run("benchmark_serving", ["serving_benchmark"], DEFAULT, f"serving_benchmark {DEFAULT}"):
         return 1
     took = time.monotonic() - t0
-    print(f"==> done in {took:.0f} s" + (f" (deadline {deadline:.0f} s{', passed' if took > deadline else ''})"
+    print(f"==> done in {took:.0f} s" + (f" (deadline {deadline:.0f} s{', exceeded' if took > deadline else ''})"
                                          if deadline is not None else "")
           + f": {len(keys)} shards; open the UI with `dagster dev -w workspace.yaml`", flush=True)
     return 0
