@@ -48,7 +48,9 @@ def chain(instance: dg.DagsterInstance, start) -> dict[str, dict[str, Any]]:
                      "partition": mat.partition, "run_id": rec.run_id, "timestamp": rec.timestamp,
                      "config": _op_config(instance, rec.run_id, name)}
         for key, value in tags.items():
-            if key.startswith(POINTER) and (up := record(instance, key[len(POINTER):], int(value))) is not None:
+            # "NULL": an upstream never materialized when this one ran (a gate skipped, say): nothing to follow
+            if key.startswith(POINTER) and str(value).isdigit() and \
+                    (up := record(instance, key[len(POINTER):], int(value))) is not None:
                 todo.append(up)
     return out
 

@@ -114,7 +114,8 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
                          **{a: "drafter" for a in ("eagle3_drafter", "drafter_export", "offline_acceptance")},
                          "host_preflight": "host",
                          **{a: "integration" for a in ("integration_drafter", "integration_check")},
-                         **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression")}}
+                         **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression",
+                                                   "traffic")}}
         runs = data["runsOrError"]["results"]
         # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, benchmark_serving (vllm)
         assert len(runs) == 7 and all(r["status"] == "SUCCESS" for r in runs)
