@@ -140,8 +140,13 @@ def _per_position(stored: str | None) -> str:
 
 
 def show_lineage(args) -> int:
-    """The benchmark history, one line per result, and the lineage behind one of them (--explain N)."""
+    """The benchmark history, one line per result, and the lineage behind one of them (--explain N); with --served,
+    per production server the drafter it serves, that drafter's benchmarks, live figures and drift reports."""
     instance = _instance()
+    if args.served:
+        from .served_lineage import show_served
+
+        return show_served(instance, args.engine)
     from . import lineage
 
     rows = lineage.history(instance)
@@ -199,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     lin = sub.add_parser("lineage", help="benchmark results and the checkpoint and training inputs behind each")
     lin.add_argument("--engine", choices=list(NAMES))
     lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")
+    lin.add_argument("--served", action="store_true", help="per production server (EAGLE3_SERVERS): the drafter it "
+                     "serves, its benchmarks, its live acceptance over time and the drift reports against it")
     return ap
 
 

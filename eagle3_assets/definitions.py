@@ -8,14 +8,17 @@ from pathlib import Path
 import dagster as dg
 
 from .assets import all_assets
+from .assets.drift_report import make_drift_report
 from .assets.partitions import shard_partitions
 from .assets.serving import engine_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
+from .drift import build as build_drift
+from .drift import check_traffic_job, drift_report_job
 from .failover import build_failover_sensor, extract_on_host_job
 from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
-from .live_acceptance import SERVERS_ENV
 from .live_acceptance import build as build_live_acceptance
+from .servers_file import SERVERS_ENV, load_servers
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
@@ -101,15 +104,21 @@ benchmark_serving_job = dg.define_asset_job(
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
-# the production servers the serving eye reads (EAGLE3_SERVERS): an asset per server and the sensor reading them
-live_specs, live_sensors = build_live_acceptance(os.environ.get(SERVERS_ENV))
+# The serving eye (EAGLE3_SERVERS): an asset per production server, the sensor reading them, the live drift sensor
+# and its check; the traffic drift sensor and the drift report, whose graph edges come from the servers' assets.
+servers = load_servers(os.environ[SERVERS_ENV]) if os.environ.get(SERVERS_ENV) else None
+live_specs, live_sensors = build_live_acceptance(servers)
+drift_sensors, drift_checks = build_drift(servers)
+assets = [a for a in all_assets if a.key != dg.AssetKey("drift_report")] + [make_drift_report([s.key for s in live_specs])]
 
 defs = dg.Definitions(
-    assets=[*all_assets, *live_specs],
+    assets=[*assets, *live_specs],
+    asset_checks=drift_checks,
     jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
-          train_drafter_job,
-          benchmark_serving_job, rebenchmark_job, regression_report_job],
+          train_drafter_job, benchmark_serving_job, rebenchmark_job, regression_report_job, check_traffic_job,
+          drift_report_job],
     schedules=[nightly_rebenchmark],
-    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job]), *live_sensors],
+    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job]), *live_sensors,
+             *drift_sensors],
     resources={"gpu_host": gpu_host},
 )

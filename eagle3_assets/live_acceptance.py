@@ -14,77 +14,15 @@ new window from the restart.
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-from typing import Literal
 
 import dagster as dg
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from . import served
 from .common import spec_counters
-from .stages.base import plain_name
-
-SERVERS_ENV = "EAGLE3_SERVERS"
-ASSET_PREFIX = "live_acceptance"
-DEFAULT_INTERVAL_S = 60
-
-
-class Server(BaseModel):
-    """One production server the eye watches."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(description="a plain name: the asset live_acceptance/<name>")
-    url: str = Field(description="the server's base URL, e.g. http://10.0.0.5:8000 (its /metrics and API)")
-    engine: Literal["vllm", "sglang"] = "vllm"
-    drafter: str | None = Field(default=None, description="the drafter it serves (an export's path on the host), "
-                                "where the server does not tell: vLLM says it only with VLLM_SERVER_DEV_MODE=1")
-    timeout_s: float = Field(default=5.0, gt=0)
-
-    @field_validator("name")
-    @classmethod
-    def _plain(cls, v: str) -> str:
-        return plain_name(v)
-
-    @field_validator("url")
-    @classmethod
-    def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"{v!r} is not an http(s) URL: give the server's base URL, e.g. http://127.0.0.1:8000")
-        return v.rstrip("/")
-
-
-class ServersFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    servers: list[Server] = Field(min_length=1)
-    interval_s: int = Field(default=DEFAULT_INTERVAL_S, ge=5, description="seconds between two reads of a server")
-
-
-def load_servers(path: str) -> ServersFile:
-    where = f"servers file {path}" + (f" ({SERVERS_ENV})" if os.environ.get(SERVERS_ENV) == path else "")
-    try:
-        data = yaml.safe_load(Path(path).expanduser().read_text())
-    except OSError as e:
-        raise ValueError(f"{where} cannot be read: {e.strerror}") from None
-    except yaml.MarkedYAMLError as e:
-        m = e.problem_mark
-        raise ValueError(f"{where} is not valid YAML: line {m.line + 1 if m else '?'}: {e.problem}") from None
-    try:
-        parsed = ServersFile.model_validate(data)
-    except ValidationError as e:
-        bad = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(file)'}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"{where}: {bad} (expected servers: [{{name, url, engine, drafter}}], interval_s)") from None
-    names = [s.name for s in parsed.servers]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{where}: server names must differ: {sorted({n for n in names if names.count(n) > 1})}")
-    return parsed
-
-
-def asset_key(name: str) -> dg.AssetKey:
-    return dg.AssetKey([ASSET_PREFIX, name])
+from .servers_file import Server, ServersFile, asset_key
 
 
 # ---- one read of one server -----------------------------------------------------------------------------
@@ -161,25 +99,38 @@ def observe(server: Server, now: dict, before: dict | None, t: float) -> tuple[d
     return dg.AssetObservation(asset_key=asset_key(server.name), metadata=meta), {"t": t, "counters": now["counters"]}
 
 
-def tick(servers: list[Server], cursor: str | None) -> tuple[list[dg.AssetObservation], str]:
+def tied(instance: dg.DagsterInstance, server: Server, event: dg.AssetObservation) -> dg.AssetObservation:
+    """The observation with what lineage says of the drafter served: the checkpoint it was exported from and its
+    benchmarked acceptance length (plotted beside the live one)."""
+    drafter = event.metadata.get("drafter")
+    if drafter is None:
+        return event
+    info = served.describe(instance, server, getattr(drafter, "value", drafter))
+    extra = {"checkpoint": info["checkpoint"] or "not exported by this instance"}
+    if info["benchmark_acceptance_length"] is not None:
+        extra["benchmark_acceptance_length"] = info["benchmark_acceptance_length"]
+    return dg.AssetObservation(asset_key=event.asset_key, metadata={**event.metadata, **extra})
+
+
+def tick(servers: list[Server], cursor: str | None,
+         instance: dg.DagsterInstance | None = None) -> tuple[list[dg.AssetObservation], str]:
     """One round over every server: the observations and the next cursor (each server's last good read)."""
     kept = json.loads(cursor) if cursor else {}
     events = []
     for s in servers:
         t = time.time()
         event, keep = observe(s, read(s), kept.get(s.name), t)
-        events.append(event)
+        events.append(tied(instance, s, event) if instance is not None else event)
         if keep is not None:
             kept[s.name] = keep
     return events, json.dumps(kept)
 
 
 # ---- the Dagster side -----------------------------------------------------------------------------------
-def build(path: str | None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinition]]:
+def build(parsed: ServersFile | None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinition]]:
     """The servers' assets and the sensor reading them, from the servers file; none without one."""
-    if not path:
+    if parsed is None:
         return [], []
-    parsed = load_servers(path)
     specs = [dg.AssetSpec(asset_key(s.name), group_name="serving",
                           description=f"live acceptance of the {s.engine} server {s.name} ({s.url}), read from its "
                                       "own counters by live_acceptance_sensor; one observation per interval")
@@ -190,7 +141,7 @@ def build(path: str | None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinitio
                description="reads each production server's speculative-decoding counters (EAGLE3_SERVERS) and "
                            "records the acceptance since the last read as an observation")
     def live_acceptance_sensor(context: dg.SensorEvaluationContext):
-        events, cursor = tick(parsed.servers, context.cursor)  # the servers the code location was loaded with
+        events, cursor = tick(parsed.servers, context.cursor, context.instance)  # as the code location loaded them
         return dg.SensorResult(asset_events=events, cursor=cursor)
 
     return specs, [live_acceptance_sensor]

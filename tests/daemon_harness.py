@@ -1,6 +1,6 @@
 """The real dagster-daemon, started the way a team runs it (`dagster-daemon run -w workspace.yaml`) in its own
 process group, and stopped by that group alone: used by the tests and benches that need sensors and the run
-queue to run for real (tests/pool_harness.py, tests/serving/test_live_acceptance.py)."""
+queue to run for real (tests/pool_harness.py, tests/serving/test_serving_eye.py)."""
 
 from __future__ import annotations
 

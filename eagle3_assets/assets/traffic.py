@@ -34,8 +34,10 @@ START_ENV, TZ_ENV = "EAGLE3_TRAFFIC_START", "EAGLE3_TRAFFIC_TIMEZONE"
 TRAFFIC_DIR = "traffic"  # <day>.parquet per partition, under the host work directory
 
 # Read as the code location loads: the first day a backfill can ask for, and where days begin (UTC by default).
+# end_offset 1: today is a partition too, holding the day so far (a drift seen this morning is located in this
+# morning's traffic; materializing it again later takes the rest of the day).
 traffic_partitions = dg.DailyPartitionsDefinition(start_date=os.environ.get(START_ENV) or "2026-01-01",
-                                                  timezone=os.environ.get(TZ_ENV) or "UTC")
+                                                  timezone=os.environ.get(TZ_ENV) or "UTC", end_offset=1)
 CANDIDATES = PROMPTS_SCHEMA.append(pa.field("timestamp", pa.float64()))
 
 

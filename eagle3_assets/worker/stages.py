@@ -27,6 +27,7 @@ STAGES = {
     "train": _lazy("training.trainer"),
     "export": _lazy("serving.export"),
     "speculate": _lazy("serving.speculate"),
+    "traffic_replay": _lazy("serving.traffic_replay"),
     "serve_bench": _lazy("serving.bench"),
     "engine_check": _lazy("serving.engine_check"),
 }

@@ -1,8 +1,9 @@
 """Stage `traffic_sample`: a day of served prompts (the `traffic` asset's partition), redacted before they reached
 this host, cut to `max_prompts` free of near duplicates (data/dedup.py, as synthetic prompts are): the candidates
 come in the seeded order of the control plane's sample, and each is kept unless it nearly repeats a held-out prompt
-or one kept before it. Each kept prompt carries the cheap keys a report groups traffic by: the length of its user
-text (a bucket) and the first words of its last user turn."""
+or one kept before it. Each kept prompt carries the cheap keys a report groups traffic by (data/prompt_groups.py): the
+length of its user text (a bucket), the first words of its last user turn, and its kind (structured data, another
+language, code, maths, prose)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..files import atomic_file, require_file, resolve
-from .dedup import NearDuplicates, normal
+from .dedup import NearDuplicates
+from .prompt_groups import keys, user_text
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.traffic_sample import TrafficSampleArgs
@@ -31,22 +33,8 @@ SCHEMA = pa.schema([  # the prompts asset's four columns first: conversations re
     ("user_chars", pa.int32()),
     ("length_bucket", pa.string()),
     ("first_words", pa.string()),
+    ("kind", pa.string()),
 ])
-BUCKETS = ((256, "<256"), (1024, "256-1k"), (4096, "1k-4k"))  # characters of user text; longer: "4k+"
-FIRST_WORDS = 3
-
-
-def user_text(messages: list[dict]) -> str:
-    return "\n".join(m["content"] for m in messages if m["role"] == "user")
-
-
-def length_bucket(chars: int) -> str:
-    return next((name for limit, name in BUCKETS if chars < limit), "4k+")
-
-
-def first_words(messages: list[dict]) -> str:
-    last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-    return " ".join(normal(last).split()[:FIRST_WORDS])
 
 
 def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
@@ -70,10 +58,8 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
             dropped["of_held_out" if near[0].startswith("held:") else "within"] += 1
             continue
         dedup.add(f"kept:{len(kept)}", text)
-        chars = len(text)
         kept.append({"id": c["id"], "source": c["source"], "messages": c["messages"],
-                     "num_user_turns": c["num_user_turns"], "timestamp": c["timestamp"], "user_chars": chars,
-                     "length_bucket": length_bucket(chars), "first_words": first_words(c["messages"])})
+                     "num_user_turns": c["num_user_turns"], "timestamp": c["timestamp"], **keys(c["messages"])})
     out = resolve(workdir, args.out)
     with atomic_file(out, fsync=True) as tmp:
         pq.write_table(pa.Table.from_pylist(kept, schema=SCHEMA), tmp)
@@ -87,6 +73,7 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
         "near_duplicates_within": dropped["within"], "near_duplicates_of_held_out": dropped["of_held_out"],
         "held_out_prompts": held_count, "dedup_threshold": args.dedup_threshold,
         "by_length_bucket": dict(Counter(r["length_bucket"] for r in kept)),
+        "by_kind": dict(Counter(r["kind"] for r in kept)),
         "preview": "\n".join(f"- {r['first_words']!r}: {user_text(r['messages'])[:100]!r}" for r in kept[:5]),
         "dagster/row_count": len(kept),
     }, data_version=version.hexdigest()[:32])

@@ -174,76 +174,90 @@ def _not_greedy(logits, out: list[int], tol: float) -> int | None:
     return int(bad[0, 0]) if len(bad) else None
 
 
+class Pair:
+    """The target and the drafter, loaded side by side for replay or decoding."""
+
+    def __init__(self, workdir: str, target: str, drafter: str, device: str, dtype: str | None, k: int):
+        if k < 1:
+            raise StageError(f"num_speculative_tokens must be at least 1, got {k}")
+        target_dir = resolve(workdir, target)
+        self.drafter_dir = resolve(workdir, drafter)
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.dtype = dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        self.k = k
+        self.target = load_model(target_dir, self.dtype, self.device)
+        self.tok = load_tokenizer(target_dir)
+        tc = text_config(self.target.config)
+        cfg, weights = load_drafter_dir(self.drafter_dir, tc)
+        head = load_target_head(target_dir, tc.rms_norm_eps)
+        drafter = Eagle3Drafter(cfg, head.embed.float())
+        drafter.load_state_dict(weights, strict=False)
+        drafter.to(device=self.device, dtype=getattr(torch, self.dtype)).eval()
+        self.tol = GREEDY_TOLERANCE.get(self.dtype, 1e-3)
+        self.spec = ChainSpeculator(self.target, drafter, k, self.tol)
+        eos = self.target.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+
+    def each(self, rows: list[dict], max_new: int, method: str, batch_size: int, reporter, label: str = ""):
+        """Per prompt, in order: {id, accepted (drafts accepted per verify step), tokens, not_greedy_at}."""
+        prompts = [first_turn_prompt(self.tok, r["messages"]) for r in rows]
+        name = f"{label} " if label else ""
+        if method == "replay":  # k more tokens: what the last verify step compares its drafts with
+            t0 = time.monotonic()
+            with reporter.progress(f"{name}greedy outputs", len(rows), unit="prompts") as prog:
+                greedy = greedy_continuations(self.target, prompts, max_new + self.k, self.eos, self.tok.pad_token_id,
+                                              batch_size, lambda n: prog.update(n))
+            reporter.log(f"{name}greedy outputs of {len(rows)} prompts in {time.monotonic() - t0:.1f} s (batches of "
+                         f"{batch_size}); replaying each verify step on the target's hidden states")
+        with reporter.progress(f"{name}acceptance", len(rows), unit="prompts") as prog:
+            for i, (r, prompt) in enumerate(zip(rows, prompts)):
+                if method == "replay":
+                    out, accepted, at = self.spec.replay(prompt, greedy[i], max_new, self.eos)
+                else:
+                    out, accepted = self.spec.generate(prompt, max_new, self.eos)
+                    at = first_non_greedy(self.target, prompt, out, self.tol)
+                prog.update(1, tokens=len(out))
+                yield {"id": r["id"], "accepted": accepted, "tokens": len(out), "not_greedy_at": at}
+
+
+def figures(results: list[dict], k: int) -> dict:
+    """Acceptance over prompts' verify steps, as the engines count it: length (accepted + 1 per step), rate, and
+    per position."""
+    steps = [a for r in results for a in r["accepted"]]
+    n = max(len(steps), 1)
+    per_pos = [sum(a > i for a in steps) / n for i in range(k)]
+    return {"acceptance_length": round(sum(a + 1 for a in steps) / n, 4),
+            "acceptance_rate": round(sum(steps) / (n * k), 4),
+            "acceptance_per_pos": [round(p, 4) for p in per_pos], "verify_steps": len(steps)}
+
+
 def run(workdir: str, args: SpeculateArgs, reporter) -> None:
-    target_dir = resolve(workdir, args.target)
     prompts_path = require_file(resolve(workdir, args.prompts), "eval prompts", "materialize the prompts asset first")
-    drafter_dir = resolve(workdir, args.drafter)
-    device = args.device
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     k = int(args.num_speculative_tokens)
-    max_new = int(args.max_new_tokens)
-    if k < 1:
-        raise StageError(f"num_speculative_tokens must be at least 1, got {k}")
-
-    target = load_model(target_dir, dtype, device)
-    tok = load_tokenizer(target_dir)
-    tc = text_config(target.config)
-    cfg, weights = load_drafter_dir(drafter_dir, tc)
-    head = load_target_head(target_dir, tc.rms_norm_eps)
-    drafter = Eagle3Drafter(cfg, head.embed.float())
-    drafter.load_state_dict(weights, strict=False)
-    drafter.to(device=device, dtype=getattr(torch, dtype)).eval()
-    tol = GREEDY_TOLERANCE.get(dtype, 1e-3)
-    spec = ChainSpeculator(target, drafter, k, tol)
-
+    pair = Pair(workdir, args.target, args.drafter, args.device, args.dtype, k)
     rows = pq.read_table(prompts_path).to_pylist()[: int(args.limit or 10**9)]
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
-    eos = target.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    prompts = [first_turn_prompt(tok, r["messages"]) for r in rows]
-    steps, per_pos, mismatches, new_tokens = [], [0] * k, [], 0
     t0 = time.monotonic()
-    if args.method == "replay":  # k more tokens: what the last verify step compares its drafts with
-        with reporter.progress("greedy outputs", len(rows), unit="prompts") as prog:
-            greedy = greedy_continuations(target, prompts, max_new + k, eos, tok.pad_token_id,
-                                          int(args.batch_size), lambda n: prog.update(n))
-        reporter.log(f"greedy outputs of {len(rows)} prompts in {time.monotonic() - t0:.1f} s (batches of "
-                     f"{args.batch_size}); replaying each verify step on the target's hidden states")
-    with reporter.progress("offline acceptance", len(rows), unit="prompts") as prog:
-        for i, (r, prompt) in enumerate(zip(rows, prompts)):
-            if args.method == "replay":
-                out, accepted, at = spec.replay(prompt, greedy[i], max_new, eos)
-            else:
-                out, accepted = spec.generate(prompt, max_new, eos)
-                at = first_non_greedy(target, prompt, out, tol)
-            if at is not None:
-                mismatches.append(f"{r['id']}@{at}")
-            steps += accepted
-            for a in accepted:
-                for j in range(a):
-                    per_pos[j] += 1
-            new_tokens += len(out)
-            prog.update(1, tokens=len(out))
+    results = list(pair.each(rows, int(args.max_new_tokens), args.method, int(args.batch_size), reporter))
     wall = time.monotonic() - t0
-    n = max(len(steps), 1)
-    al = sum(a + 1 for a in steps) / n
+    mismatches = [f"{r['id']}@{r['not_greedy_at']}" for r in results if r["not_greedy_at"] is not None]
+    fig = figures(results, k)
     meta = {
-        "acceptance_length": round(al, 4),
-        "acceptance_rate": round(sum(steps) / (n * k), 4),
-        **{f"acceptance_at_pos_{i}": round(per_pos[i] / n, 4) for i in range(k)},
+        "acceptance_length": fig["acceptance_length"],
+        "acceptance_rate": fig["acceptance_rate"],
+        **{f"acceptance_at_pos_{i}": p for i, p in enumerate(fig["acceptance_per_pos"])},
         "num_speculative_tokens": k,
-        "verify_steps": len(steps),
+        "verify_steps": fig["verify_steps"],
         "prompts": len(rows),
-        "generated_tokens": new_tokens,
+        "generated_tokens": sum(r["tokens"] for r in results),
         "output_matches_target_greedy": not mismatches,
         "mismatched_prompts": mismatches[:20],  # id@first token that is not the target's greedy choice
-        "greedy_check": f"teacher-forced, tolerance {tol}",
+        "greedy_check": f"teacher-forced, tolerance {pair.tol}",
         "method": args.method,
-        "dtype": dtype,
+        "dtype": pair.dtype,
         "wall_s": round(wall, 1),
-        "drafter": str(drafter_dir),
+        "drafter": str(pair.drafter_dir),
         "eval_set": str(prompts_path),
     }
     if mismatches:

@@ -1,0 +1,150 @@
+"""drift_report: made by a drift sensor's run (drift.py), like benchmark_regression. Which signal fired (live: a
+server's acceptance over a window below its drafter's benchmarked figure; offline: the drafter's replayed acceptance
+on the newest traffic below its eval figure), by how much, and where: acceptance per group of the traffic (kind,
+length, first words) beside each group's share of the training prompts, and the prompts of lowest acceptance
+(redacted). With it, what lineage says of the served drafter: its benchmarks and its live figures over time."""
+
+import time
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from .. import served
+from ..code_versions import code_version
+from ..common import charts
+from ..servers_file import drift_settings
+from .traffic_acceptance import groups_table, lowest_table
+
+REPLAY = dg.AssetKey("traffic_acceptance")
+
+
+class DriftReportConfig(dg.Config):
+    """Filled in by the sensor that fired (drift.py)."""
+
+    signal: Literal["live", "offline"] = Field(description="the signal that launched the report")
+    server: str | None = Field(default=None, description="live: the server whose acceptance fell")
+    drafter: str | None = Field(default=None, description="the drafter it serves (a path on the host)")
+    live_acceptance_length: float | None = None
+    benchmark_acceptance_length: float | None = None
+    benchmark_from: str | None = None
+    num_drafts: int | None = Field(default=None, description="live: speculative steps in the window")
+    window_s: int | None = None
+    traffic_day: str | None = Field(default=None, description="the traffic partition that locates the drift")
+    traffic_acceptance_storage_id: int | None = Field(default=None, description="offline: the replay that fired")
+
+
+def _replay(context, config: DriftReportConfig):
+    """The traffic_acceptance replay this report stands on: the one named, else the newest of the day for the drafter
+    (made by this run where it replayed the day)."""
+    if config.traffic_acceptance_storage_id is not None:
+        recs = context.instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=REPLAY, storage_ids=[config.traffic_acceptance_storage_id]), limit=1).records
+        return recs[0] if recs else None
+    if not config.traffic_day:
+        return None
+    for rec in context.instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=REPLAY, asset_partitions=[config.traffic_day]), limit=20).records:
+        if config.drafter is None or served.meta(rec).get("drafter") == config.drafter:
+            return rec
+    return None
+
+
+def where(groups: list[dict], reference: float | None, drop: float) -> list[dict]:
+    """The groups whose acceptance is below the eval figure by more than `drop`, kinds first, lowest first."""
+    if not reference:
+        return []
+    order = {"kind": 0, "length_bucket": 1, "first_words": 2}
+    low = [g for g in groups if g["acceptance_length"] is not None and g["acceptance_length"] < reference * (1 - drop)]
+    return sorted(low, key=lambda g: (order[g["by"]], g["acceptance_length"]))
+
+
+def _live_series(context, server: str, drafter: str | None) -> str:
+    obs = [o for o in served.observations(context.instance, server, since=time.time() - 86400)
+           if o.get("acceptance_length") is not None and o.get("drafter") == drafter]
+    if not obs:
+        return "no live figures in the last day"
+    values = [float(o["acceptance_length"]) for o in obs]
+    return (f"live acceptance length over the last day ({len(values)} windows): `{charts.sparkline(values)}` "
+            f"first {values[0]:.3f}, last {values[-1]:.3f}, min {min(values):.3f}, max {max(values):.3f}")
+
+
+def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
+    """The report: the signals, the served drafter's figures, and where the traffic's acceptance fell."""
+    settings = drift_settings()
+    rec = _replay(context, config)
+    replay = served.meta(rec) if rec is not None else {}
+    drafter = config.drafter or replay.get("drafter")
+    ckpt = served.checkpoint(context.instance, drafter)
+    fired, lines = [], []
+    meta: dict = {"signal": config.signal, "server": config.server or "", "drafter": drafter or "unknown",
+                  "checkpoint": ckpt or "not exported by this instance"}
+    if config.live_acceptance_length is not None and config.benchmark_acceptance_length:
+        live_drop = (config.benchmark_acceptance_length - config.live_acceptance_length) / \
+            config.benchmark_acceptance_length
+        meta.update(live_acceptance_length=round(config.live_acceptance_length, 4),
+                    benchmark_acceptance_length=config.benchmark_acceptance_length,
+                    live_drop=round(live_drop, 4), live_threshold=settings.live_drop)
+        if config.signal == "live":
+            fired.append("live")
+            lines.append(f"**Live**: {config.server} served {config.num_drafts} speculative steps in the last "
+                         f"{config.window_s} s at an acceptance length of {config.live_acceptance_length:.3f}, "
+                         f"{live_drop:.1%} below the drafter's benchmarked {config.benchmark_acceptance_length:.3f} "
+                         f"({config.benchmark_from}; threshold {settings.live_drop:.0%}).")
+    reference = replay.get("eval_acceptance_length")
+    if replay:
+        meta.update(traffic_day=rec.event_log_entry.asset_materialization.partition,
+                    traffic_acceptance_length=replay["acceptance_length"], eval_acceptance_length=reference,
+                    offline_drop=replay.get("drop"), traffic_prompts_replayed=replay.get("prompts"))
+        if replay.get("drift"):
+            fired.append("offline")
+        lines.append(f"**Offline** ({'fired' if replay.get('drift') else 'did not fire'}): replayed on "
+                     f"{replay.get('prompts')} prompts of {meta['traffic_day']}'s traffic, acceptance length "
+                     f"{replay['acceptance_length']:.3f} against {reference:.3f} on its eval set "
+                     f"({replay.get('eval_reference')}): {replay.get('drop', 0):.1%} lower (threshold "
+                     f"{settings.offline_drop:.0%})." if reference else "**Offline**: no eval figure to compare.")
+    else:
+        lines.append("**Where**: no traffic replay to locate it: set EAGLE3_TRAFFIC_LOGS (or materialize a "
+                     "`traffic` partition) and keep `drift.locate` on, or materialize traffic_acceptance by hand.")
+    low = where(replay.get("groups") or [], reference, settings.offline_drop)
+    if low:
+        w = low[0]
+        meta.update(where=f"{w['by']}={w['value']}", where_acceptance_length=w["acceptance_length"],
+                    where_share_of_traffic=w["share"], where_share_of_training=w["train_share"])
+        lines.append(f"**Where**: {w['by']} `{w['value']}`: acceptance length {w['acceptance_length']:.3f} against "
+                     f"{reference:.3f} on the eval set, {w['share']:.0%} of the traffic replayed, "
+                     + (f"{w['train_share']:.1%} of the drafter's training prompts." if w["train_share"] is not None
+                        else "its training prompts unknown here.")
+                     + (" Also low: " + ", ".join(f"{g['by']} `{g['value']}` {g['acceptance_length']:.3f}"
+                                                 for g in low[1:6]) if len(low) > 1 else ""))
+    elif replay:
+        meta["where"] = "no group of the traffic below the eval figure by more than the threshold"
+    meta["signals_fired"] = ", ".join(fired) or "none"
+    bench = served.benchmarks(context.instance, ckpt)
+    section = ["", "### The served drafter", f"- drafter `{drafter}`, checkpoint `{str(ckpt)[:12]}`"]
+    section += [f"- benchmark {time.strftime('%Y-%m-%d %H:%M', time.localtime(b['when']))}: {b['engine']} "
+                f"{b['engine_version']}, acceptance length {b['acceptance_length']}, speedup {b['speedup']}"
+                for b in bench[:5]] or ["- no serving_benchmark of this checkpoint in this instance"]
+    if config.server:
+        section.append(f"- {_live_series(context, config.server, drafter)}")
+    tables = (["", "### Acceptance per group of the traffic (lowest first)", "",
+               groups_table(replay.get("groups") or [], reference), "",
+               "### The prompts of lowest acceptance (redacted, cut)", "", lowest_table(replay.get("lowest") or [])]
+              if replay else [])
+    report = "\n\n".join(lines) + "\n" + "\n".join(section + tables)
+    context.log.warning(f"drift ({meta['signals_fired']}) for {config.server or drafter}: {meta.get('where', '')}")
+    meta["report"] = dg.MetadataValue.md(report)
+    return dg.MaterializeResult(metadata=meta)
+
+
+def make_drift_report(live_keys: list[dg.AssetKey]) -> dg.AssetsDefinition:
+    """The report asset, downstream of the replay and of every watched server's live acceptance."""
+
+    @dg.asset(name="drift_report", group_name="serving", kinds={"dagster"}, deps=[REPLAY, *live_keys],
+              code_version=code_version(__name__, "report"))
+    def drift_report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
+        """Where and by how much a served drafter stopped fitting its traffic: made by the live or the traffic drift
+        sensor (drift.py) when a signal fires."""
+        return report(context, config)
+
+    return drift_report

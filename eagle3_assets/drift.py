@@ -1,0 +1,213 @@
+"""Drift: when a served drafter stops fitting its traffic, measured two ways, each turned into a `drift_report` run.
+
+- Live (`live_drift_sensor`, on by default with a servers file; it only reads Dagster's own records, so it costs
+  nothing): per server, the acceptance over every speculative step of its last `drift.window_s` seconds of
+  observations (live_acceptance.py), against the benchmarked figure of the drafter it serves (served.py). Below it by
+  more than `drift.live_drop`: the check `live_acceptance_holds` on `live_acceptance/<server>` fails and a report
+  run starts, which (with `drift.locate`) replays the newest traffic to say where.
+- Offline (`traffic_drift_sensor`, off by default: each check replays traffic on the host): each newly
+  materialized `traffic` day is replayed by the drafter served (traffic_acceptance); a replay whose acceptance falls
+  below the drafter's eval figure by more than `drift.offline_drop` starts a report run.
+
+A drift is reported when it starts, when the server's drafter changes while it lasts, and again every
+`drift.report_every_s`: a sensor's cursor keeps each server's state, so a lasting drift is not a report a minute."""
+
+import json
+import os
+import time
+
+import dagster as dg
+
+from . import served
+from .assets.traffic import LOGS_ENV, traffic_partitions
+from .servers_file import DriftSettings, Server, ServersFile, asset_key
+
+LIVE_CHECK = "live_acceptance_holds"
+DRIFT_TAG = "eagle3/drift"  # on every run a drift sensor starts: what it is about (a server, or a traffic day)
+REPLAY, REPORT, TRAFFIC = dg.AssetKey("traffic_acceptance"), dg.AssetKey("drift_report"), dg.AssetKey("traffic")
+
+drift_report_job = dg.define_asset_job(
+    "report_drift", selection=[TRAFFIC, REPLAY, REPORT], partitions_def=traffic_partitions,
+    description="made by a drift sensor: (today's traffic, its replay by the served drafter, then) the drift report")
+check_traffic_job = dg.define_asset_job(
+    "check_traffic", selection=[REPLAY], partitions_def=traffic_partitions,
+    description="the offline drift signal: a day of traffic replayed by the served drafter (traffic_drift_sensor)")
+
+
+def judge(drafter: str | None, win: dict, info: dict, settings: DriftSettings) -> dict:
+    """A server's live window against its drafter's benchmark: {"state": drift | fits | unknown, "why", "drop"}."""
+    live, bench = win["acceptance_length"], info["benchmark_acceptance_length"]
+    if drafter is None:
+        return {"state": "unknown", "drop": None, "why": "no read of the server names the drafter it serves yet: "
+                "wait for live_acceptance_sensor, or set drafter in the servers file"}
+    if bench is None:
+        return {"state": "unknown", "drop": None, "why": "no benchmark of the drafter served: materialize "
+                "serving_benchmark for it, or give benchmark_acceptance_length in the servers file"}
+    if win["num_drafts"] < settings.min_drafts:
+        return {"state": "unknown", "drop": None, "why": f"{win['num_drafts']} speculative steps in the last "
+                f"{settings.window_s} s, fewer than drift.min_drafts {settings.min_drafts}: not judged"}
+    if info.get("benchmark_k") and win["k"] and info["benchmark_k"] != win["k"]:
+        return {"state": "unknown", "drop": None, "why": f"served with {win['k']} speculative tokens, benchmarked "
+                f"with {info['benchmark_k']}: the figures do not compare (benchmark it at the served k)"}
+    drop = (bench - live) / bench
+    state = "drift" if drop > settings.live_drop else "fits"
+    return {"state": state, "drop": round(drop, 4),
+            "why": f"acceptance length {live:.3f} over {win['num_drafts']} speculative steps in the last "
+                   f"{settings.window_s} s, {abs(drop):.1%} {'below' if drop > 0 else 'above'} the drafter's "
+                   f"benchmarked {bench:.3f} (drift below {settings.live_drop:.0%})"}
+
+
+def live_state(instance: dg.DagsterInstance, server: Server, settings: DriftSettings, now: float) -> dict:
+    """Everything the live signal knows of one server now: the drafter served, its window and verdict."""
+    obs = served.observations(instance, server.name, since=now - settings.window_s)
+    drafter = served.serving_now(obs) or served.serving_now(served.observations(instance, server.name, limit=50))
+    win = served.window(obs, drafter, now - settings.window_s)
+    info = served.describe(instance, server, drafter)
+    return {"drafter": drafter, "window": win, "info": info, **judge(drafter, win, info, settings)}
+
+
+def check_evaluation(server: Server, state: dict) -> dg.AssetCheckEvaluation:
+    win, info = state["window"], state["info"]
+    return dg.AssetCheckEvaluation(
+        asset_key=asset_key(server.name), check_name=LIVE_CHECK, passed=state["state"] != "drift",
+        severity=dg.AssetCheckSeverity.WARN, description=state["why"],
+        metadata={"state": state["state"], "num_drafts": win["num_drafts"], "drafter": state["drafter"] or "unknown",
+                  "checkpoint": info["checkpoint"] or "not exported by this instance",
+                  # numbers only where measured: the UI plots each one over the check's history
+                  **{k: v for k, v in (("live_acceptance_length", win["acceptance_length"]),
+                                       ("benchmark_acceptance_length", info["benchmark_acceptance_length"]))
+                     if v is not None}})
+
+
+def newest_traffic_day(instance: dg.DagsterInstance) -> str | None:
+    """Today when the gateway logs are configured (a report run reads today so far), else the newest day
+    materialized."""
+    if os.environ.get(LOGS_ENV):
+        return traffic_partitions.get_last_partition_key()
+    done = instance.get_materialized_partitions(TRAFFIC)
+    return max(done) if done else None
+
+
+def report_request(instance: dg.DagsterInstance, server: Server, state: dict, settings: DriftSettings,
+                   now: float) -> dg.RunRequest:
+    """A live drift's report run: with `locate`, today's traffic read and replayed by the served drafter first."""
+    day = newest_traffic_day(instance) if settings.locate else None
+    win, info = state["window"], state["info"]
+    config = {"signal": "live", "server": server.name, "drafter": state["drafter"],
+              "live_acceptance_length": win["acceptance_length"], "num_drafts": win["num_drafts"],
+              "window_s": settings.window_s, "benchmark_acceptance_length": info["benchmark_acceptance_length"],
+              "benchmark_from": info["benchmark_from"], "traffic_day": day}
+    ops = {"drift_report": {"config": config}}
+    selection = [REPORT]
+    if day is not None:
+        selection = ([TRAFFIC] if os.environ.get(LOGS_ENV) else []) + [REPLAY, REPORT]
+        ops["traffic_acceptance"] = {"config": {"drafter": state["drafter"], "server": server.name,
+                                                "limit": settings.replay_limit}}
+    # the report alone is unpartitioned: a partition key would ask Dagster for a partitioned selection
+    return dg.RunRequest(run_key=f"live-{server.name}-{int(now)}", asset_selection=selection,
+                         partition_key=day,
+                         run_config={"ops": ops}, tags={DRIFT_TAG: f"live:{server.name}"})
+
+
+def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[dg.AssetChecksDefinition]]:
+    """The live drift sensor and its check on each server's live acceptance (none without a servers file), and the
+    traffic drift sensor (always: it needs only traffic and a drafter)."""
+    sensors: list[dg.SensorDefinition] = [traffic_drift_sensor(parsed)]
+    if parsed is None:
+        return sensors, []
+    settings = parsed.drift
+    specs = [dg.AssetCheckSpec(LIVE_CHECK, asset=asset_key(s.name), description="the server's acceptance over the "
+                               "last drift.window_s within drift.live_drop of its drafter's benchmark")
+             for s in parsed.servers]
+
+    @dg.multi_asset_check(specs=specs, name="live_acceptance_holds", can_subset=True)
+    def live_acceptance_holds(context: dg.AssetCheckExecutionContext):
+        """Run from the UI, the live drift sensor's judgement now (the sensor records it as it changes)."""
+        for s in parsed.servers:
+            if dg.AssetCheckKey(asset_key(s.name), LIVE_CHECK) in context.selected_asset_check_keys:
+                e = check_evaluation(s, live_state(context.instance, s, settings, time.time()))
+                yield dg.AssetCheckResult(asset_key=e.asset_key, check_name=LIVE_CHECK, passed=e.passed,
+                                          severity=e.severity, description=e.description, metadata=e.metadata)
+
+    @dg.sensor(name="live_drift_sensor", minimum_interval_seconds=parsed.interval_s,
+               default_status=dg.DefaultSensorStatus.RUNNING, job=drift_report_job,
+               description="the live drift signal: each server's acceptance over drift.window_s against its "
+                           "drafter's benchmark; a drop beyond drift.live_drop starts a drift_report run")
+    def live_drift_sensor(context: dg.SensorEvaluationContext):
+        cursor, now = json.loads(context.cursor) if context.cursor else {}, time.time()
+        events, requests = [], []
+        for s in parsed.servers:
+            state, before = live_state(context.instance, s, settings, now), cursor.get(s.name, {})
+            if state["state"] != before.get("state") or state["drafter"] != before.get("drafter") or \
+                    now - before.get("checked", 0) >= settings.window_s:  # a verdict as it changes, else per window
+                events.append(check_evaluation(s, state))
+                before["checked"] = now
+            # the last verdict judged: a window too thin to judge (traffic paused) neither ends a drift nor starts one
+            judged = state["state"] if state["state"] != "unknown" else before.get("judged")
+            again = settings.report_every_s and now - before.get("reported", 0) >= settings.report_every_s
+            if state["state"] == "drift" and (before.get("judged") != "drift" or
+                                              state["drafter"] != before.get("drafter") or again):
+                requests.append(report_request(context.instance, s, state, settings, now))
+                before["reported"] = now
+            cursor[s.name] = {**before, "state": state["state"], "judged": judged,
+                              "drafter": state["drafter"] or before.get("drafter")}
+        return dg.SensorResult(run_requests=requests, asset_events=events, cursor=json.dumps(cursor))
+
+    return [*sensors, live_drift_sensor], [live_acceptance_holds]
+
+
+def served_drafters(instance: dg.DagsterInstance, parsed: ServersFile | None) -> dict[str, str | None]:
+    """drafter path -> a server serving it, for every watched server's drafter now; else the newest export's."""
+    out: dict[str, str | None] = {}
+    for s in parsed.servers if parsed else []:
+        d = served.serving_now(served.observations(instance, s.name, limit=50))
+        if d:
+            out.setdefault(d, s.name)
+    if not out:
+        rec = next(iter(instance.fetch_materializations(served.EXPORT, limit=1).records), None)
+        path = next((v for k, v in served.meta(rec).items() if k.endswith("_path")), None) if rec else None
+        if path:
+            out[str(path)] = None
+    return out
+
+
+def traffic_drift_sensor(parsed: ServersFile | None) -> dg.SensorDefinition:
+    settings = parsed.drift if parsed else DriftSettings()
+
+    @dg.sensor(name="traffic_drift_sensor", minimum_interval_seconds=settings.offline_interval_s,
+               jobs=[check_traffic_job, drift_report_job],
+               default_status=dg.DefaultSensorStatus.STOPPED,
+               description="the offline drift signal (off by default: each check replays traffic on the host): each "
+                           "new traffic day replayed by the served drafter; a replay below its eval figure by more "
+                           "than drift.offline_drop starts a drift_report run")
+    def sensor(context: dg.SensorEvaluationContext):
+        cursor = json.loads(context.cursor) if context.cursor else {}
+        requests = []
+        days = dg.AssetRecordsFilter(asset_key=TRAFFIC, after_storage_id=cursor.get("traffic"))
+        new = context.instance.fetch_materializations(days, limit=100).records
+        if new:
+            cursor["traffic"] = max(r.storage_id for r in new)
+            day = max(r.event_log_entry.asset_materialization.partition for r in new)
+            newest = max((r for r in new if r.event_log_entry.asset_materialization.partition == day),
+                         key=lambda r: r.storage_id)
+            for drafter, server in served_drafters(context.instance, parsed).items():
+                requests.append(dg.RunRequest(
+                    run_key=f"replay-{day}-{newest.storage_id}-{drafter}", job_name="check_traffic", partition_key=day,
+                    run_config={"ops": {"traffic_acceptance": {"config": {
+                        "drafter": drafter, "server": server, "limit": settings.replay_limit}}}},
+                    tags={DRIFT_TAG: f"offline:{day}"}))
+        replays = dg.AssetRecordsFilter(asset_key=REPLAY, after_storage_id=cursor.get("replays"))
+        for rec in context.instance.fetch_materializations(replays, limit=100, ascending=True).records:
+            cursor["replays"] = rec.storage_id
+            m, run = served.meta(rec), context.instance.get_run_by_id(rec.run_id)
+            if not m.get("drift") or (run is not None and str(run.tags.get(DRIFT_TAG, "")).startswith("live:")):
+                continue  # it fits, or a live drift's report run made it and reported it
+            day = rec.event_log_entry.asset_materialization.partition
+            requests.append(dg.RunRequest(
+                run_key=f"offline-{rec.storage_id}", job_name="report_drift", asset_selection=[REPORT],
+                tags={DRIFT_TAG: f"offline:{day}"}, run_config={"ops": {"drift_report": {"config": {
+                    "signal": "offline", "server": m.get("server") or None, "drafter": m.get("drafter"),
+                    "traffic_day": day, "traffic_acceptance_storage_id": rec.storage_id}}}}))
+        return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor))
+
+    return sensor

@@ -1,0 +1,79 @@
+"""A serving gateway as the serving eye's tests need one: a bounded load generator sending OpenAI chat-completions
+requests one at a time to a server on 127.0.0.1, writing each request to a JSONL request log with its timestamp as
+a gateway does, and two kinds of traffic: the shipped chat prompts (what the drafter was trained on) and prompts
+in languages it never saw.
+
+Why other languages for the new kind, not code or structured data: measured offline on the shipped base drafter (64
+new tokens, k=3, float32, 2-core AMD EPYC, 2026-12-03), the shipped chat prompts gave an acceptance length of 2.07,
+pasted JSON / CSV / log-line tasks 1.68-1.76 (the shipped prompts already hold code and the target copies data
+well), French 1.36 and German 1.49: a new language is the shift this drafter does not survive."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from eagle3_assets.prompt_sources import SINGLE_TURN, LoadStats, load_source
+
+OTHER_LANGUAGES = [
+    "Pourquoi le ciel est-il bleu pendant la journée et rouge le soir ?",
+    "Peux-tu m'expliquer comment fonctionne la photosynthèse chez les plantes ?",
+    "Donne-moi trois conseils pour mieux dormir quand on travaille de nuit.",
+    "Quelle est la différence entre un virus et une bactérie ?",
+    "Écris un court poème sur l'automne à Paris.",
+    "Comment préparer une bonne pâte à crêpes pour quatre personnes ?",
+    "Explique-moi la théorie de la relativité avec des mots simples.",
+    "Quels sont les avantages et les inconvénients du télétravail ?",
+    "Raconte-moi une histoire courte sur un chat perdu dans la ville.",
+    "Comment apprendre une langue étrangère rapidement quand on a peu de temps ?",
+    "Qu'est-ce qu'une fonction récursive et pourquoi est-elle utile ?",
+    "Quels sont les principaux monuments à visiter à Rome en deux jours ?",
+    "Comment économiser de l'argent chaque mois avec un petit salaire ?",
+    "Pourquoi les feuilles des arbres changent-elles de couleur en automne ?",
+    "Décris les étapes pour planter un pommier dans son jardin.",
+    "Quelle est l'histoire de la construction de la tour Eiffel ?",
+    "Comment fonctionne un moteur électrique dans une voiture ?",
+    "Quels aliments faut-il manger pour avoir plus d'énergie le matin ?",
+    "Écris une lettre pour remercier un professeur à la fin de l'année.",
+    "Pourquoi la mer est-elle salée alors que les rivières ne le sont pas ?",
+    "Warum ist der Himmel blau und nicht grün?",
+    "Wie funktioniert ein Kühlschrank, einfach erklärt?",
+    "Gib mir drei Tipps, wie ich besser für eine Prüfung lerne.",
+    "Was ist der Unterschied zwischen Wetter und Klima?",
+    "Schreibe ein kurzes Gedicht über den ersten Schnee im Winter.",
+    "¿Por qué los gatos duermen tantas horas al día?",
+    "¿Cómo se prepara una tortilla de patatas tradicional?",
+    "Explícame qué es la inflación y por qué sube los precios.",
+    "¿Cuáles son los planetas del sistema solar y cuál es el más grande?",
+    "Escribe un cuento corto sobre un perro que aprende a nadar.",
+]
+
+
+def chat_prompts(n: int) -> list[str]:
+    """The shipped single-turn chat prompts (explanations, advice, trivia) the base drafter was trained on: 1.93, 2.33
+    and 1.97 offline (12 prompts each, as above), where its creative writing gave 1.84."""
+    convs = load_source(SINGLE_TURN, max_user_turns=1, max_message_chars=8000, on_bad_record="fail", stats=LoadStats())
+    kinds = ("st-explanations", "st-advice", "st-trivia")
+    prose = [c.messages[-1]["content"] for c in convs if c.id.startswith(kinds)]
+    return prose[::7][:n]  # spread over the kinds
+
+
+class Gateway:
+    """Sends chat requests to `url` one at a time, each logged to `log` (JSONL) before it is sent."""
+
+    def __init__(self, url: str, log: Path, max_tokens: int = 64):
+        self.url, self.log, self.max_tokens, self.sent = url, log, max_tokens, 0
+
+    def send(self, text: str) -> dict:
+        body = {"model": "target", "messages": [{"role": "user", "content": text}], "max_tokens": self.max_tokens,
+                "temperature": 0}
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"timestamp": time.time(), "route": "/v1/chat/completions", "body": body}) + "\n")
+        req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=180) as r:
+            assert r.status == 200
+            self.sent += 1
+            return json.loads(r.read())

@@ -1,0 +1,166 @@
+"""Drift, without a server: the prompt keys a report groups traffic by, the live judgement and its window over real
+observations in a real instance, the servers file's drift section, and the offline replay (`traffic_acceptance`)
+and `drift_report` materialized on the shared graph's drafter over a day of traffic written as a gateway writes it.
+The whole loop with a real vLLM server and the daemon: test_serving_eye.py."""
+
+import json
+import time
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TINY_TRAIN
+from eagle3_assets import served
+from eagle3_assets.assets.drift_report import where
+from eagle3_assets.drift import judge
+from eagle3_assets.servers_file import DriftSettings, Server, asset_key, load_servers
+from eagle3_assets.worker.data.prompt_groups import kind
+from eagle3_assets.worker.serving.traffic_replay import groups
+from gateway import OTHER_LANGUAGES
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Convert this JSON to CSV:\n[\n  {\"id\": 1, \"city\": \"Lyon\"},\n  {\"id\": 2, \"city\": \"Osaka\"}\n]", "structured"),
+    ("2026-11-13T09:35:00Z WARN svc=search code=503\n2026-11-13T09:36:00Z INFO svc=auth code=200\n"
+     "2026-11-13T09:37:00Z ERROR svc=auth code=500\nCount the lines per level.", "structured"),
+    ("```yaml\nreplicas: 3\n```\nWhat does this do?", "structured"),
+    ("Pourquoi le ciel est-il bleu pendant la journée ?", "other-language"),
+    ("¿Cómo se prepara una tortilla de patatas tradicional?", "other-language"),
+    ("Почему небо голубое?", "other-language"),
+    ("Write a Python function that reverses a linked list.", "code"),
+    ("```\nint main() { return 0; }\n```\nWhy does this compile?", "code"),
+    ("Solve 3x + 5 = 20 for x.", "math"),
+    ("Give me three tips for sleeping better after a night shift.", "prose"),
+])
+def test_a_prompts_kind_is_read_off_its_text(text, expected):
+    assert kind(text) == expected
+
+
+def test_the_shipped_chat_prompts_are_english_and_the_gateways_new_kind_is_not():
+    from eagle3_assets.prompt_sources import SINGLE_TURN, LoadStats, load_source
+
+    convs = list(load_source(SINGLE_TURN, max_user_turns=8, max_message_chars=8000, on_bad_record="fail",
+                             stats=LoadStats()))
+    shipped = [kind(c.messages[-1]["content"]) for c in convs]
+    assert shipped.count("other-language") <= 1  # one prompt quotes another language
+    assert sum(kind(t) == "other-language" for t in OTHER_LANGUAGES) >= 0.9 * len(OTHER_LANGUAGES)
+
+
+def _res(*accepted: int) -> dict:
+    return {"accepted": list(accepted)}
+
+
+def test_groups_sum_acceptance_as_the_engines_count_it_and_name_the_group_below_the_eval_figure():
+    rows = [{"kind": "prose", "length_bucket": "<256", "first_words": "why is the"}] * 4 + \
+           [{"kind": "other-language", "length_bucket": "<256", "first_words": "pourquoi le ciel"}] * 3 + \
+           [{"kind": "code", "length_bucket": "256-1k", "first_words": "write a python"}] * 2
+    results = [_res(2, 1, 3)] * 4 + [_res(0, 0, 1, 0)] * 3 + [_res(0)] * 2
+    training = [{"kind": "prose", "length_bucket": "<256", "first_words": "x"}] * 9 + \
+               [{"kind": "code", "length_bucket": "<256", "first_words": "x"}]
+    out = groups(rows, results, rows[:4], results[:4], training, min_group=3)
+    by = {(g["by"], g["value"]): g for g in out}
+    assert ("kind", "code") not in by  # 2 prompts: under min_group
+    foreign = by[("kind", "other-language")]
+    assert foreign["acceptance_length"] == pytest.approx((4 + 1) / 4)  # (accepted + 1) per step, over its 12 steps / 3
+    assert foreign["share"] == pytest.approx(3 / 9, abs=1e-4) and foreign["train_share"] == 0.0
+    assert by[("kind", "prose")]["acceptance_length"] == pytest.approx(3.0)
+    assert by[("kind", "prose")]["eval_acceptance_length"] == pytest.approx(3.0)
+    assert out[0]["acceptance_length"] <= out[-1]["acceptance_length"]  # lowest first
+    low = where(out, reference=2.5, drop=0.1)
+    assert [(g["by"], g["value"]) for g in low][:2] == [("kind", "other-language"), ("length_bucket", "<256")]
+    assert where(out, reference=None, drop=0.1) == []
+
+
+def test_the_live_judgement_says_why_it_does_not_judge():
+    s = DriftSettings(min_drafts=100, live_drop=0.1)
+    win = {"acceptance_length": 1.5, "num_drafts": 500, "k": 3}
+    info = {"benchmark_acceptance_length": 2.0, "benchmark_k": 3}
+    assert judge("/d", win, info, s)["state"] == "drift" and judge("/d", win, info, s)["drop"] == 0.25
+    assert judge("/d", {**win, "acceptance_length": 1.85}, info, s)["state"] == "fits"
+    assert "fewer than drift.min_drafts" in judge("/d", {**win, "num_drafts": 99}, info, s)["why"]
+    assert "no benchmark" in judge("/d", win, {"benchmark_acceptance_length": None}, s)["why"]
+    assert "do not compare" in judge("/d", {**win, "k": 5}, info, s)["why"]
+    assert judge(None, win, info, s)["state"] == "unknown"
+
+
+def test_the_servers_files_drift_section_is_checked_naming_the_field(tmp_path):
+    f = tmp_path / "servers.yaml"
+    f.write_text("servers: [{name: a, url: 'http://127.0.0.1:1'}]\ndrift: {live_drop: 1.5, windw_s: 60}\n")
+    with pytest.raises(ValueError, match=r"drift\.live_drop: .*less than 1.*drift\.windw_s: Extra inputs"):
+        load_servers(str(f))
+    f.write_text("servers: [{name: a, url: 'http://127.0.0.1:1'}]\n")
+    assert load_servers(str(f)).drift == DriftSettings()
+
+
+def _observe(instance, drafter: str, al: float, drafts: int, status: str = "ok") -> None:
+    instance.report_runless_asset_event(dg.AssetObservation(asset_key=asset_key("prod"), metadata={
+        "status": status, "drafter": drafter, "num_drafts": drafts, "num_accepted_tokens": round((al - 1) * drafts),
+        "acceptance_length": al, "acceptance_per_pos": json.dumps([0.5, 0.3, 0.2])}))
+
+
+def test_the_live_window_sums_every_step_of_the_drafter_served_since_its_start(tmp_path):
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        t0 = time.time()
+        _observe(instance, "/old", 1.2, 1000)  # another drafter's: not in this one's window
+        _observe(instance, "/new", 3.0, 10, status="first read: figures since the server started")  # span unknown
+        _observe(instance, "/new", 2.0, 100)
+        _observe(instance, "/new", 1.5, 300, status="restarted: its counters went back; a new window")
+        obs = served.observations(instance, "prod", since=t0 - 1)
+        assert served.serving_now(obs) == "/new"
+        win = served.window(obs, "/new", t0 - 1)
+        assert win["num_drafts"] == 400 and win["acceptance_length"] == pytest.approx(1 + (100 + 150) / 400)
+        assert win["k"] == 3 and win["observations"] == 2
+        assert served.window(obs, "/new", time.time() + 1)["num_drafts"] == 0  # outside the window
+        info = served.describe(instance, Server(name="prod", url="http://x", benchmark_acceptance_length=2.0), "/new")
+        assert info["benchmark_acceptance_length"] == 2.0 and "servers file" in info["benchmark_from"]
+        assert info["checkpoint"] is None
+
+
+@pytest.fixture(scope="module")
+def drifted_day(built, tmp_path_factory):
+    """The shared graph's drafter (trained briefly, exported) and today's gateway log: English chat, then French
+    (one request with an e-mail address), read into today's traffic partition."""
+    built.materialize("eagle3_drafter", "drafter_export",
+                      config={"eagle3_drafter": {"config": {**TINY_TRAIN, "run_name": "drift"}}})
+    log = Path(tmp_path_factory.mktemp("gateway")) / "requests.jsonl"
+    english = ["Why do cats purr when they are happy?", "Explain how a bicycle stays upright.",
+               "What is a good way to start learning the guitar?", "How do vaccines train the immune system?"]
+    foreign = OTHER_LANGUAGES[:4]
+    foreign[0] += " Écris-moi à jeanne.martin@exemple-mail.fr."
+    now = time.time()
+    log.write_text("".join(json.dumps({"timestamp": now, "body": {"model": "m", "messages": [
+        {"role": "user", "content": t}]}}) + "\n" for t in english + foreign))
+    day = dg.DailyPartitionsDefinition(start_date="2026-01-01", end_offset=1).get_last_partition_key()
+    built.materialize("traffic", partition=day, config={"traffic": {"config": {"sources": [str(log)]}}})
+    return built, day
+
+
+def test_the_replay_groups_todays_traffic_and_the_report_says_where_without_raw_text(drifted_day):
+    built, day = drifted_day
+    replay = {"limit": 8, "eval_limit": 4, "max_new_tokens": 8, "min_group": 3, "lowest": 3}
+    done = built.materialize("traffic_acceptance", partition=day, config={"traffic_acceptance": {"config": replay}})
+    meta = built.latest("traffic_acceptance", day)
+    export = built.latest("drafter_export")
+    assert meta["drafter"] == export["vllm_path"] and meta["checkpoint"] == built.data_version("eagle3_drafter")
+    assert meta["prompts"] == 8 and meta["eval_prompts"] == 4 and "replayed here" in meta["eval_reference"]
+    kinds = {g["value"]: g for g in meta["groups"] if g["by"] == "kind"}
+    assert kinds["other-language"]["prompts"] == 4 and kinds["other-language"]["train_share"] == 0.0
+    per_prompt = pq.read_table(meta["path"]).to_pylist()
+    assert len(per_prompt) == 8 and {p["kind"] for p in per_prompt} >= {"other-language"}
+    assert all(p["verify_steps"] >= 1 for p in per_prompt)
+    check = done.get_asset_check_evaluations()[0]
+    assert check.check_name == "fits_traffic" and check.passed == (not meta["drift"])
+
+    rec = built.instance.fetch_materializations(dg.AssetKey("traffic_acceptance"), limit=1).records[0]
+    built.materialize("drift_report", config={"drift_report": {"config": {
+        "signal": "offline", "traffic_day": day, "traffic_acceptance_storage_id": rec.storage_id}}})
+    report = built.latest("drift_report")
+    assert report["traffic_acceptance_length"] == meta["acceptance_length"]
+    assert report["eval_acceptance_length"] == meta["eval_acceptance_length"]
+    assert report["signals_fired"] == ("offline" if meta["drift"] else "none")
+    assert "### Acceptance per group of the traffic" in report["report"] and "other-language" in report["report"]
+    every = json.dumps([meta, report], default=str) + "".join(
+        p.read_text(errors="replace") for p in Path(built.workdir, "traffic").rglob("*") if p.suffix == ".log")
+    assert "jeanne.martin@" not in every

@@ -1,0 +1,274 @@
+"""The serving eye against a real production server: vLLM (CPU build) serving a drafter trained on the shipped chat
+prompts (the shipped base drafter, finetuned by the graph), benchmarked by serving_benchmark, traffic sent to it by
+a bounded load generator on 127.0.0.1 that writes the gateway's request log (gateway.py), and the real Dagster
+daemon running the sensors. The traffic moves to languages the drafter never saw: the live and the offline drift
+signals fire and the report names the new kind of prompt; live acceptance through a stop and a restart."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from conftest import Graph
+from daemon_harness import ROOT, start_daemon, stop_daemon
+from eagle3_assets.common import spec_counters
+from eagle3_assets.drift import DRIFT_TAG, LIVE_CHECK
+from eagle3_assets.live_acceptance import asset_key
+from eagle3_assets.redact import KINDS
+from eagle3_assets.worker.engines import vllm
+from eagle3_assets.worker.engines.server import EngineServer, free_port
+from gateway import OTHER_LANGUAGES, Gateway, chat_prompts
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Write a haiku about the sea.", "Explain what a hash map is.", "List three prime numbers.",
+           "What is the capital of France?", "Give me a tip for learning to cook.", "Describe a cat in one line."]
+# The shipped base drafter, finetuned a little on the graph's own conversations: a drafter of the shipped chat prompts.
+FINETUNE = {"init_from": "shipped:smollm2-135m-instruct", "epochs": 1, "lr": 1e-5, "ttt_steps": 3, "row_tokens": 48,
+            "rows_per_batch": 1, "warmup_ratio": 0.0, "run_name": "production"}
+# The benchmark production is held to: the eval prompts at the length and k the server runs, float32 as it runs.
+FIGURES = {"limit": 8, "max_new_tokens": 64}
+BENCH = {**FIGURES, "concurrencies": [1], "baseline": False, "max_model_len": 1024, "dtype": "float32",
+         "extra_args": ["--enforce-eager"]}
+
+
+def _server(target: str, drafter: str, port: int, log: Path) -> EngineServer:
+    argv = vllm.server_command(sys.executable, target, port, drafter=drafter, k=3, dtype="float32",
+                               max_model_len=1024, seed=0, extra=["--enforce-eager"])
+    return EngineServer("production", argv, port, log, env=vllm.SERVER_ENV)
+
+
+def _load(url: str, n: int, max_tokens: int = 24) -> None:
+    """A bounded load generator: n completions, one at a time, to the server on 127.0.0.1."""
+    for i in range(n):
+        body = json.dumps({"model": "target", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+
+
+def _counters(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return spec_counters.vllm_counters(r.read().decode())
+
+
+@dataclass
+class Production:
+    graph: Graph
+    server: EngineServer
+    drafter: str  # the vLLM export it serves
+    root: Path
+    home: Path  # the instance's DAGSTER_HOME: the daemon's too
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory):
+    """A graph of its own (an instance on disk, as a team's), its drafter exported, measured offline and benchmarked
+    in vLLM, then served by vLLM as a production server would."""
+    root = tmp_path_factory.mktemp("production")
+    home = root / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((ROOT / "dagster_home" / "dagster.yaml").read_text())
+    g = Graph(dg.DagsterInstance.from_config(str(home)), root / "host_work")
+    g.materialize("target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping")
+    for key in g.instance.get_dynamic_partitions("hidden_state_shards"):
+        g.materialize("hidden_state_shards", partition=key)
+    g.materialize("eagle3_drafter", "drafter_export", "offline_acceptance",
+                  config={"eagle3_drafter": {"config": FINETUNE}, "offline_acceptance": {"config": FIGURES}})
+    g.materialize("serving_benchmark", partition="vllm", config={"serving_benchmark": {"config": BENCH}})
+    export = g.latest("drafter_export")["vllm_path"]
+    srv = _server(g.latest("target_model")["path"], export, free_port(), root / "server.log")
+    with srv:
+        srv.wait_ready(600)
+        yield Production(g, srv, export, root, home)
+
+
+class Daemon:
+    """The real dagster-daemon on the production instance, with the serving eye's settings in its environment."""
+
+    def __init__(self, p: Production, servers: dict, **env: str):
+        (p.root / "servers.yaml").write_text(yaml.safe_dump(servers))
+        self.env = {**os.environ, "DAGSTER_HOME": str(p.home), "EAGLE3_SERVERS": str(p.root / "servers.yaml"),
+                    "EAGLE3_HOST_WORKDIR": str(p.graph.workdir), **env}
+        self.proc = start_daemon(self.env, p.root / "daemon.log")
+        self.instance = p.graph.instance
+
+    def observations(self, name: str, since: float = 0) -> list[dict]:
+        recs = self.instance.fetch_observations(asset_key(name), limit=1000).records
+        out = [{"t": r.timestamp, **{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()}}
+               for r in recs if r.timestamp >= since]
+        return out[::-1]  # oldest first
+
+    def checks(self, name: str, since: float) -> list[dict]:
+        """The live check's evaluations since `since`, oldest first."""
+        recs = self.instance.event_log_storage.get_asset_check_execution_history(
+            dg.AssetCheckKey(asset_key(name), LIVE_CHECK), limit=200)
+        out = [{"t": r.create_timestamp, "passed": r.evaluation.passed,
+                **{k: v.value for k, v in r.evaluation.metadata.items()}}
+               for r in recs if r.evaluation is not None and r.create_timestamp >= since]
+        return sorted(out, key=lambda c: c["t"])
+
+    def runs(self, tag: str) -> list:
+        return self.instance.get_runs(dg.RunsFilter(tags={DRIFT_TAG: tag}))
+
+    def wait(self, what: str, fetch, pred, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = fetch()
+            if pred(got):
+                return got
+            time.sleep(2)
+        raise AssertionError(f"timed out waiting for {what}; last seen: {str(fetch())[-1500:]}")
+
+    def cli(self, *argv: str) -> str:
+        done = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    def stop(self):
+        stop_daemon(self.proc)
+
+
+def _finished(runs) -> bool:
+    return bool(runs) and all(r.is_finished for r in runs)
+
+
+def _report(instance, signal: str) -> dict:
+    for rec in instance.fetch_materializations(dg.AssetKey("drift_report"), limit=20).records:
+        meta = {k: v.value for k, v in rec.event_log_entry.asset_materialization.metadata.items()}
+        if meta["signal"] == signal:
+            return {"t": rec.timestamp, **meta}
+    raise AssertionError(f"no {signal} drift report")
+
+
+def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names_it(production):
+    p = production
+    log = p.root / "gateway" / "requests.jsonl"
+    log.parent.mkdir()
+    drift = {"window_s": 45, "min_drafts": 100, "live_drop": 0.10, "offline_drop": 0.10, "replay_limit": 24,
+             "offline_interval_s": 15}
+    daemon = Daemon(p, {"interval_s": 5, "drift": drift, "servers": [
+        {"name": "prod", "url": p.server.base_url, "engine": "vllm", "drafter": p.drafter}]},
+        EAGLE3_TRAFFIC_LOGS=str(log))
+    gw = Gateway(p.server.base_url, log)
+    bench = p.graph.latest("serving_benchmark", "vllm")["acceptance_length"]
+    foreign = iter(OTHER_LANGUAGES)
+    try:
+        # 1. The traffic it was trained for: the live check holds against its benchmark, nothing is reported.
+        t0 = time.time()  # the load starts after the sensor's first read, which counts all since the server started
+        daemon.wait("the sensor's first read", lambda: daemon.observations("prod", t0), lambda o: len(o) >= 1, 180)
+        for text in chat_prompts(6):
+            gw.send(text)
+        fits = daemon.wait("the live check to judge the chat traffic", lambda: daemon.checks("prod", t0),
+                           lambda cs: any(c["state"] != "unknown" for c in cs), 120)
+        judged = next(c for c in fits if c["state"] != "unknown")
+        assert judged["state"] == "fits" and judged["passed"], judged
+        assert judged["benchmark_acceptance_length"] == pytest.approx(bench)
+        assert not daemon.runs("live:prod")
+        before = [o for o in daemon.observations("prod", t0) if o.get("num_drafts")]
+        assert all(o["checkpoint"] == p.graph.data_version("eagle3_drafter") for o in before)
+        assert all(o["benchmark_acceptance_length"] == pytest.approx(bench) for o in before)
+
+        # 2. The traffic moves to languages it never saw (the first request carries an e-mail address): the live
+        # signal fires, and its report replays today's traffic to say where.
+        changed, sent = time.time(), gw.sent
+        gw.send(next(foreign) + " Écris-moi à jeanne.martin@exemple-mail.fr.")
+        for text in foreign:
+            if daemon.runs("live:prod") or gw.sent - sent >= 20:
+                break
+            gw.send(text)
+        assert daemon.runs("live:prod"), f"no live drift report after {gw.sent - sent} requests of the new kind"
+        runs = daemon.wait("the live drift report run", lambda: daemon.runs("live:prod"), _finished, 900)
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [r.status for r in runs]
+        live = _report(p.graph.instance, "live")
+        print(f"\nlive drift: requested after {gw.sent - sent} requests of the new kind; report {live['t'] - changed:.0f} "
+              f"s after the change; live {live['live_acceptance_length']} vs benchmark "
+              f"{live['benchmark_acceptance_length']}; traffic {live['traffic_acceptance_length']} vs eval "
+              f"{live['eval_acceptance_length']}; where {live['where']}; fired {live['signals_fired']}")
+        assert live["signals_fired"].startswith("live"), live["report"]
+        assert live["live_acceptance_length"] < bench * 0.9
+        assert live["where"] == "kind=other-language", live["report"]
+        assert live["where_share_of_training"] < 0.05
+        traffic = p.graph.latest("traffic", live["traffic_day"])
+        assert traffic["redacted_email"] == 1 and sum(traffic[f"redacted_{k}"] for k in KINDS) == 1
+        assert "jeanne.martin@" not in json.dumps(live, default=str)
+
+        # 3. The day goes on in the new languages; the day's traffic is read again (as a daily schedule would) and
+        # the traffic drift sensor (off by default) replays it: the offline signal fires on its own.
+        for text in foreign:
+            gw.send(text)
+        day = live["traffic_day"]
+        daemon.cli("dagster", "asset", "materialize", "-m", "eagle3_assets.definitions", "--select", "traffic",
+                   "--partition", day)
+        daemon.cli("dagster", "sensor", "start", "traffic_drift_sensor", "-w", str(ROOT / "workspace.yaml"))
+        daemon.wait("the offline drift report", lambda: daemon.runs(f"offline:{day}"),
+                    lambda rs: len(rs) >= 2 and _finished(rs), 900)
+        offline = _report(p.graph.instance, "offline")
+        print(f"offline drift: traffic {offline['traffic_acceptance_length']} vs eval {offline['eval_acceptance_length']}"
+              f" ({offline['offline_drop']:.1%} lower); where {offline['where']}")
+        assert offline["signals_fired"] == "offline" and offline["where"] == "kind=other-language", offline["report"]
+
+        # 4. Lineage per served drafter: its benchmark, its live figures over time, the reports against it.
+        out = daemon.cli("eagle3-assets", "lineage", "--served")
+        print(out)
+        assert f"checkpoint {p.graph.data_version('eagle3_drafter')}" in out
+        assert f"AL {bench:.3f}" in out and "live, last day:" in out
+        assert "fired: live" in out and "fired: offline" in out
+    finally:
+        daemon.stop()
+
+
+def test_live_acceptance_from_a_real_server_through_load_a_stop_and_a_restart(production):
+    p = production
+    srv, drafter = p.server, p.drafter
+    t0 = time.time()
+    daemon = Daemon(p, {"interval_s": 5, "drift": {"locate": False}, "servers": [
+        {"name": "prod", "url": srv.base_url, "engine": "vllm", "drafter": drafter}]})
+    try:
+        first = daemon.wait("the sensor's first read", lambda: daemon.observations("prod", t0), lambda o: len(o) >= 1,
+                            180)
+        assert first[0]["drafter"] == drafter and first[0]["drafter_from"] == "config"
+        before = _counters(srv.base_url)
+        _load(srv.base_url, 6)
+        after = _counters(srv.base_url)
+        assert after["num_drafts"] > before["num_drafts"], "the load must make speculative steps"
+        obs = daemon.wait("the load's drafts in the observations", lambda: daemon.observations("prod", t0),
+                          lambda o: sum(x.get("num_drafts", 0) for x in o[1:]) >= after["num_drafts"]
+                          - before["num_drafts"], 120)
+        busy = [x for x in obs[1:] if x.get("num_drafts")]
+        assert busy and all(x["status"] == "ok" for x in busy)
+        for x in busy:  # each window as the server's own counters define it
+            assert abs(x["acceptance_length"] - (1 + x["num_accepted_tokens"] / x["num_drafts"])) < 1e-3
+            per_pos = json.loads(x["acceptance_per_pos"])
+            assert len(per_pos) == 3 and all(0 <= q <= 1 for q in per_pos)
+            assert 1 <= x["acceptance_length"] <= 4
+        window = spec_counters.window(before, after)
+        drafts = sum(x["num_drafts"] for x in busy)
+        assert drafts == window["num_drafts"], "the windows add up to what the server counted, nothing twice"
+        daemon.wait("an idle window once the load ends", lambda: daemon.observations("prod", t0),
+                    lambda o: o[-1]["status"].startswith("idle"), 60)
+
+        srv.stop()  # the server goes away: an observation says so, and the sensor goes on
+        down = daemon.wait("an unreachable read", lambda: daemon.observations("prod", t0),
+                           lambda o: o[-1]["status"].startswith("unreachable"), 60)
+        assert "acceptance_length" not in down[-1]
+        restarted = _server(p.graph.latest("target_model")["path"], drafter, srv.port, p.root / "server-2.log")
+        with restarted:
+            restarted.wait_ready(600)
+            _load(restarted.base_url, 2)
+            fresh = _counters(restarted.base_url)
+            obs = daemon.wait("the restart seen as counters that went back", lambda: daemon.observations("prod", t0),
+                              lambda o: any(x["status"].startswith("restarted") for x in o), 120)
+            new = next(x for x in obs if x["status"].startswith("restarted"))
+            assert new["num_drafts"] <= fresh["num_drafts"], "the new window counts from the restart, not the past"
+            assert new.get("num_drafts", 0) > 0
+    finally:
+        daemon.stop()
