@@ -58,7 +58,7 @@ def main() -> int:
     for p in points:
         print(f"{time.strftime('%H:%M:%S', time.gmtime(p['t']))}  {p['status'][:40]:40}  "
               f"AL {p['acceptance_length'] or '-'}  steps {p['num_drafts'] or '-'}")
-    (out / "serving-eye-series.json").write_text(json.dumps(points, indent=1))
+    (out / "serving-eye-series.json").write_text(json.dumps(points, indent=1))  # kept: bench/results/serving_eye_series.json
 
     port = _port()
     env = {**os.environ, "DAGSTER_HOME": args.home, "EAGLE3_SERVERS": args.servers}
@@ -83,7 +83,6 @@ def main() -> int:
             page = browser.new_page(viewport={"width": 1600, "height": 1100})
             page.set_default_timeout(60_000)
             for name, url in (("serving-eye-live-overview", f"/assets/live_acceptance/{args.server}"),  # its plots
-                              ("serving-eye-live-events", f"/assets/live_acceptance/{args.server}?view=events"),
                               ("serving-eye-live-checks", f"/assets/live_acceptance/{args.server}?view=checks"),
                               ("serving-eye-drift-report", "/assets/drift_report")):
                 page.goto(base + url, wait_until="networkidle")

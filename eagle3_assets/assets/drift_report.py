@@ -14,7 +14,7 @@ from .. import served
 from ..code_versions import code_version
 from ..common import charts
 from ..servers_file import drift_settings
-from .traffic_acceptance import groups_table, lowest_table
+from .traffic_acceptance import fmt, groups_table, lowest_table
 
 REPLAY = dg.AssetKey("traffic_acceptance")
 
@@ -123,7 +123,8 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
     bench = served.benchmarks(context.instance, ckpt)
     section = ["", "### The served drafter", f"- drafter `{drafter}`, checkpoint `{str(ckpt)[:12]}`"]
     section += [f"- benchmark {time.strftime('%Y-%m-%d %H:%M', time.localtime(b['when']))}: {b['engine']} "
-                f"{b['engine_version']}, acceptance length {b['acceptance_length']}, speedup {b['speedup']}"
+                f"{b['engine_version']}, acceptance length {fmt(b['acceptance_length'])}, speedup "
+                + (f"{b['speedup']:.2f}x" if b["speedup"] is not None else "not measured")
                 for b in bench[:5]] or ["- no serving_benchmark of this checkpoint in this instance"]
     if config.server:
         section.append(f"- {_live_series(context, config.server, drafter)}")

@@ -88,7 +88,7 @@ def traffic_acceptance(context: dg.AssetExecutionContext, config: TrafficAccepta
     return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version, check_results=[check])
 
 
-def _fmt(x) -> str:
+def fmt(x) -> str:
     return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
@@ -99,8 +99,8 @@ def groups_table(groups: list[dict], reference: float | None) -> str:
     for g in groups:
         vs = f"{(g['acceptance_length'] - reference) / reference:+.1%}" if reference and g["acceptance_length"] else "-"
         train = "-" if g["train_share"] is None else f"{g['train_share']:.1%}"
-        lines.append(f"| {g['by']} | {g['value']} | {g['prompts']} | {g['share']:.0%} | {_fmt(g['acceptance_length'])} "
-                     f"| {vs} | {_fmt(g['eval_acceptance_length'])} | {train} |")
+        lines.append(f"| {g['by']} | {g['value']} | {g['prompts']} | {g['share']:.0%} | {fmt(g['acceptance_length'])} "
+                     f"| {vs} | {fmt(g['eval_acceptance_length'])} | {train} |")
     return "\n".join(lines)
 
 
@@ -110,6 +110,6 @@ def lowest_table(lowest: list[dict]) -> str:
              "|---|---|---|---|---|"]
     for p in lowest:
         text = " ".join(str(p["preview"]).split()).replace("|", "\\|")[:120]
-        lines.append(f"| {_fmt(p['acceptance_length'])} | {p['kind']} | {p['length_bucket']} | "
-                     f"{_fmt(p.get('nearest_training_similarity'))} | {text} |")
+        lines.append(f"| {fmt(p['acceptance_length'])} | {p['kind']} | {p['length_bucket']} | "
+                     f"{fmt(p.get('nearest_training_similarity'))} | {text} |")
     return "\n".join(lines)
