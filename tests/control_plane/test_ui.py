@@ -94,7 +94,8 @@ def test_the_catalog_shows_every_asset(ui, page):
                             "hidden_state_shards",
                             "vocab_mapping", "eagle3_drafter", "drafter_export", "offline_acceptance",
                             "serving_benchmark", "benchmark_history", "benchmark_regression",
-                            "integration_drafter", "integration_check", "traffic"])
+                            "integration_drafter", "integration_check", "traffic", "traffic_acceptance",
+                            "drift_report"])
     for name in names:
         page.get_by_text(name, exact=True).first.wait_for()
 
