@@ -180,6 +180,65 @@ def show_lineage(args) -> int:
     return 0
 
 
+def decide(args) -> int:
+    """`promote` / `rollback`: a production decision by hand, recorded as production_drafter's materialization (one
+    transaction of the event log); with --rollout, the rollout job then puts it on the servers."""
+    instance = _instance()
+    from . import production
+
+    before = production.current(instance, args.engine)
+    try:
+        if args.cmd == "promote":
+            export = production.export_of(instance, args.version)
+            meta = production.decision(args.engine, export, "promoted by hand", args.why, before)
+        else:
+            meta = production.decision(args.engine, production.rollback_target(instance, args.engine, args.to),
+                                       "rolled back", args.why, before)
+    except ValueError as e:
+        print(f"{args.cmd}: {e}", file=sys.stderr)
+        return 2
+    production.report(instance, args.engine, meta)
+    print(f"{args.engine}: {meta['decision']}: {meta['version']} ({meta['export_path']}); replaced {meta['replaced']}")
+    if not args.rollout:
+        print(f"the servers still serve what they served: `eagle3-assets {args.cmd} ... --rollout`, or launch the "
+              f"rollout_drafter job for partition {args.engine}")
+        return 0
+    from .definitions import defs
+
+    res = defs.resolve_job_def("rollout_drafter").execute_in_process(
+        instance=instance, partition_key=args.engine, raise_on_error=False, run_config=QUIET_LOGGERS)
+    print(f"rollout {'done' if res.success else 'FAILED'} (run {res.run_id})")
+    return 0 if res.success else 1
+
+
+def show_production(args) -> int:
+    instance = _instance()
+    from . import production
+
+    past = production.history(instance, args.engine)
+    if not past:
+        print(f"nothing in production on {args.engine}: `eagle3-assets promote` puts the newest export there")
+        return 0
+    for i, h in enumerate(past):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["when"]))
+        days = h.get("traffic_days") or []
+        print(f"{'now' if i == 0 else '   '}  {when}  {h['version'][:12]}  {h['decision']:22}  replaced "
+              f"{str(h.get('replaced'))[:12]:12}" + (f"  traffic {', '.join(days)}" if days else "")
+              + (f"  ({h['why']})" if h.get("why") else ""))
+    return 0
+
+
+def serving_loop(args) -> int:
+    """`serving-loop`: the README's second story on this instance (eagle3_assets/story/serving_loop.py)."""
+    _instance()
+    from .story import serving_loop as story
+
+    home = Path(os.environ["DAGSTER_HOME"])
+    workspace = Path("workspace.yaml")  # the project's, from its root: the UI's code location, sensor states and all
+    return story.main(home, Path(args.workdir) if args.workdir else home / "serving_loop",
+                      workspace.resolve() if workspace.exists() else None)
+
+
 def _seconds(text: str) -> float:
     """--deadline's type: a positive, finite number of seconds (argparse names the option in its error)."""
     try:
@@ -206,12 +265,32 @@ def parser() -> argparse.ArgumentParser:
     lin.add_argument("--explain", type=int, metavar="N", help="the full lineage of result N (and what changed)")
     lin.add_argument("--served", action="store_true", help="per production server (EAGLE3_SERVERS): the drafter it "
                      "serves, its benchmarks, its live acceptance over time and the drift reports against it")
+    for name, what in (("promote", "put an export in production on an engine (default: the newest drafter_export)"),
+                       ("rollback", "return an engine to the drafter in production before the current one")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--engine", choices=list(NAMES), default=DEFAULT)
+        if name == "promote":
+            p.add_argument("--version", help="the export's checkpoint (its data version, 8 characters or more)")
+        else:
+            p.add_argument("--to", metavar="VERSION", help="a checkpoint that was in production (default: the one "
+                           "before the current)")
+        p.add_argument("--why", default="", help="recorded with the decision")
+        p.add_argument("--rollout", action="store_true", help="then put it on the servers (the rollout_drafter job)")
+    prod = sub.add_parser("production", help="what is in production on an engine, and every decision before")
+    prod.add_argument("--engine", choices=list(NAMES), default=DEFAULT)
+    story = sub.add_parser("serving-loop", help="the second story, after the main command: its drafter served as "
+                           "production by vLLM, traffic of a new kind, drift, a retrained challenger, the gate, the "
+                           "rollout, the live acceptance before and after")
+    story.add_argument("--workdir", help="the servers' pid files and logs, the gateway's log, the servers file "
+                       "(default: $DAGSTER_HOME/serving_loop)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    return materialize(ns) if ns.cmd == "materialize" else show_lineage(ns)
+    commands = {"materialize": materialize, "lineage": show_lineage, "promote": decide, "rollback": decide,
+                "production": show_production, "serving-loop": serving_loop}
+    return commands[ns.cmd](ns)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from .failover import build_failover_sensor, extract_on_host_job
 from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
 from .live_acceptance import build as build_live_acceptance
+from .loop import build as build_loop
+from .loop import retrain_on_traffic_job, rollout_job
 from .servers_file import SERVERS_ENV, load_servers
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
@@ -116,9 +118,9 @@ defs = dg.Definitions(
     asset_checks=drift_checks,
     jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
           train_drafter_job, benchmark_serving_job, rebenchmark_job, regression_report_job, check_traffic_job,
-          drift_report_job],
+          drift_report_job, retrain_on_traffic_job, rollout_job],
     schedules=[nightly_rebenchmark],
     sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job]), *live_sensors,
-             *drift_sensors],
+             *drift_sensors, build_loop(servers)],
     resources={"gpu_host": gpu_host},
 )

@@ -105,8 +105,12 @@ def tied(instance: dg.DagsterInstance, server: Server, event: dg.AssetObservatio
     drafter = event.metadata.get("drafter")
     if drafter is None:
         return event
-    info = served.describe(instance, server, getattr(drafter, "value", drafter))
-    extra = {"checkpoint": info["checkpoint"] or "not exported by this instance"}
+    drafter, extra = getattr(drafter, "value", drafter), {}
+    told = getattr(event.metadata.get("drafter_from"), "value", None)
+    if told == "config" and (rolled := served.rolled_out(instance, server.name)):  # the file predates a rollout
+        drafter, extra = rolled, {"drafter": rolled, "drafter_from": "rollout"}
+    info = served.describe(instance, server, drafter)
+    extra["checkpoint"] = info["checkpoint"] or "not exported by this instance"
     if info["benchmark_acceptance_length"] is not None:
         extra["benchmark_acceptance_length"] = info["benchmark_acceptance_length"]
     return dg.AssetObservation(asset_key=event.asset_key, metadata={**event.metadata, **extra})

@@ -15,6 +15,7 @@ from .servers_file import Server, asset_key
 INPUT_VERSION = "dagster/input_data_version/"
 EXPORT, BENCHMARK, OFFLINE = dg.AssetKey("drafter_export"), dg.AssetKey("serving_benchmark"), dg.AssetKey("offline_acceptance")
 DRAFTER = dg.AssetKey("eagle3_drafter")
+ROLLOUT = dg.AssetKey("rollout")
 SCAN = 500  # materializations looked through, newest first
 
 
@@ -134,3 +135,12 @@ def describe(instance: dg.DagsterInstance, server: Server, drafter: str | None) 
         out.update(benchmark_acceptance_length=server.benchmark_acceptance_length,
                    benchmark_from="the servers file (benchmark_acceptance_length)")
     return out
+
+
+def rolled_out(instance: dg.DagsterInstance, server: str) -> str | None:
+    """The drafter the newest rollout that touched `server` left on it, or None."""
+    for rec in instance.fetch_materializations(ROLLOUT, limit=20).records:
+        got = (meta(rec).get("servers") or {}).get(server)
+        if got and got.get("drafter"):
+            return got["drafter"]
+    return None

@@ -31,6 +31,12 @@ class Server(BaseModel):
         default=None, gt=1, description="the drafter's benchmarked acceptance length, for a drafter this instance "
         "never benchmarked (one trained elsewhere); else read from its serving_benchmark")
     timeout_s: float = Field(default=5.0, gt=0)
+    restart: list[str] | None = Field(default=None, description="how a rollout puts another drafter on this server: a "
+                                      "command run on the Dagster machine, {drafter} replaced by the export's path "
+                                      "(e.g. [systemctl, restart, 'vllm@{drafter}'], or a script around kubectl); "
+                                      "None: the server is left to you")
+    ready_timeout_s: float = Field(default=900.0, gt=0, description="a rollout waits this long for the server to "
+                                   "answer /health after its restart")
 
     @field_validator("name")
     @classmethod

@@ -1,27 +1,18 @@
-"""The real dagster-daemon, started the way a team runs it (`dagster-daemon run -w workspace.yaml`) in its own
-process group, and stopped by that group alone: used by the tests and benches that need sensors and the run
-queue to run for real (tests/pool_harness.py, tests/serving/test_serving_eye.py)."""
+"""The real dagster-daemon on the project's workspace.yaml, for the tests and benches that need sensors and the run
+queue to run for real (tests/pool_harness.py, tests/serving/test_serving_eye.py): started in its own process group
+and stopped by that group alone (eagle3_assets/story/daemon.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from pathlib import Path
 
+from eagle3_assets.story.daemon import start_daemon as _start
+from eagle3_assets.story.daemon import stop_daemon
+
 ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["ROOT", "start_daemon", "stop_daemon"]
 
 
 def start_daemon(env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(["dagster-daemon", "run", "-w", str(ROOT / "workspace.yaml")], cwd=ROOT, env=env,
-                            start_new_session=True, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-
-
-def stop_daemon(proc: subprocess.Popen | None) -> None:
-    if proc and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own process group: the daemon and its code server
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return _start(env, log, ROOT / "workspace.yaml", ROOT)

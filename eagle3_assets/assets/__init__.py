@@ -9,7 +9,10 @@ from .hidden_states import hidden_state_shards
 from .history import benchmark_history, benchmark_regression
 from .host import host_preflight
 from .integration import integration_check, integration_drafter
+from .promotion import production_drafter, promotion_gate
 from .prompts import prompts
+from .retrain import challenger_drafter, challenger_export, retrain_conversations, retrain_data, retrain_shards
+from .rollout import rollout
 from .serving import serving_benchmark
 from .synthetic_prompts import synthetic_prompts
 from .target import target_model
@@ -23,4 +26,6 @@ drafter_assets = [eagle3_drafter, drafter_export, offline_acceptance]
 serving_assets = [serving_benchmark, benchmark_history, benchmark_regression, traffic, traffic_acceptance,
                   make_drift_report([])]
 integration_assets = [integration_drafter, integration_check]
-all_assets = data_assets + integration_assets + drafter_assets + serving_assets + [host_preflight]
+loop_assets = [retrain_data, retrain_conversations, retrain_shards, challenger_drafter, challenger_export,
+               promotion_gate, production_drafter, rollout]
+all_assets = data_assets + integration_assets + drafter_assets + serving_assets + loop_assets + [host_preflight]

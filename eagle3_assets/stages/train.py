@@ -12,7 +12,8 @@ from .base import Args, Contract, Result, Settings, plain_name
 # of them changed starts afresh) and into the drafter's metadata.
 HYPERPARAMETERS = ("epochs", "lr", "warmup_ratio", "max_grad_norm", "ttt_steps", "row_tokens", "rows_per_batch",
                    "seed", "step_decay", "loss_on", "train_lm_head", "init_head", "precision", "aux_scale",
-                   "noise_std", "weight_decay", "init_layer", "loss", "layer_lr", "num_layers", "time_budget_s")
+                   "noise_std", "weight_decay", "init_layer", "loss", "layer_lr", "num_layers", "time_budget_s",
+                   "mix_share")
 
 
 class TrainSettings(Settings):
@@ -56,6 +57,9 @@ class TrainSettings(Settings):
     time_budget_s: float | None = Field(default=None, gt=0, description="train for about this many seconds: "
                                            "the first steps are timed, then the run is cut to the steps that fit "
                                            "and the learning-rate schedule planned for them (None: all epochs)")
+    mix_share: float = Field(default=0.0, ge=0, lt=1, description="with mix_shards (the data a finetuned drafter "
+                             "was trained on): the share of the training samples drawn from them, a seeded sample, "
+                             "so that the finetune does not forget what it served before")
     save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
     num_processes: int = Field(default=1, gt=0, description="GPUs of the host to train on (data parallel, via "
@@ -74,6 +78,7 @@ class TrainArgs(Args, TrainSettings):
                               "finetuned checkpoint's, or the full target vocab")
     out: str = Field(description="the run's directory (model/ and checkpoints/ under it)")
     eval_shards: list[str] = Field(default=[], description="held-out shards for the per-epoch evaluation")
+    mix_shards: list[str] = Field(default=[], description="older shards mixed in at mix_share (a retraining's old data)")
     probe_batches: int = Field(default=8, ge=0, description="batches timed before training to report the pace")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
 

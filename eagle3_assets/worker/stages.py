@@ -22,6 +22,7 @@ STAGES = {
     "vocab": _lazy("data.vocab"),
     "synthesize": _lazy("data.synthesize"),
     "traffic_sample": _lazy("data.traffic_sample"),
+    "traffic_split": _lazy("data.traffic_split"),
     "extract": _lazy("hidden_states.extract"),
     "integration_data": _lazy("hidden_states.integration_data"),
     "train": _lazy("training.trainer"),
@@ -29,6 +30,7 @@ STAGES = {
     "speculate": _lazy("serving.speculate"),
     "traffic_replay": _lazy("serving.traffic_replay"),
     "serve_bench": _lazy("serving.bench"),
+    "serve_compare": _lazy("serving.compare"),
     "engine_check": _lazy("serving.engine_check"),
 }
 

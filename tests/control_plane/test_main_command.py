@@ -115,7 +115,10 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
                          "host_preflight": "host",
                          **{a: "integration" for a in ("integration_drafter", "integration_check")},
                          **{a: "serving" for a in ("serving_benchmark", "benchmark_history", "benchmark_regression",
-                                                   "traffic", "traffic_acceptance", "drift_report")}}
+                                                   "traffic", "traffic_acceptance", "drift_report")},
+                         **{a: "loop" for a in ("retrain_data", "retrain_conversations", "retrain_shards",
+                                                "challenger_drafter", "challenger_export", "promotion_gate",
+                                                "production_drafter", "rollout")}}
         runs = data["runsOrError"]["results"]
         # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, benchmark_serving (vllm)
         assert len(runs) == 7 and all(r["status"] == "SUCCESS" for r in runs)

@@ -95,7 +95,9 @@ def test_the_catalog_shows_every_asset(ui, page):
                             "vocab_mapping", "eagle3_drafter", "drafter_export", "offline_acceptance",
                             "serving_benchmark", "benchmark_history", "benchmark_regression",
                             "integration_drafter", "integration_check", "traffic", "traffic_acceptance",
-                            "drift_report"])
+                            "drift_report", "retrain_data", "retrain_conversations", "retrain_shards",
+                            "challenger_drafter", "challenger_export", "promotion_gate", "production_drafter",
+                            "rollout"])
     for name in names:
         page.get_by_text(name, exact=True).first.wait_for()
 

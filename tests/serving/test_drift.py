@@ -16,9 +16,9 @@ from eagle3_assets import served
 from eagle3_assets.assets.drift_report import where
 from eagle3_assets.drift import judge
 from eagle3_assets.servers_file import DriftSettings, Server, asset_key, load_servers
+from eagle3_assets.story.gateway import OTHER_LANGUAGES
 from eagle3_assets.worker.data.prompt_groups import kind
 from eagle3_assets.worker.serving.traffic_replay import groups
-from gateway import OTHER_LANGUAGES
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -6,6 +6,7 @@ signals fire and the report names the new kind of prompt; live acceptance throug
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,13 +20,15 @@ import yaml
 
 from conftest import Graph
 from daemon_harness import ROOT, start_daemon, stop_daemon
+from eagle3_assets import production as record
 from eagle3_assets.common import spec_counters
 from eagle3_assets.drift import DRIFT_TAG, LIVE_CHECK
 from eagle3_assets.live_acceptance import asset_key
 from eagle3_assets.redact import KINDS
+from eagle3_assets.story import serving_loop
+from eagle3_assets.story.gateway import OTHER_LANGUAGES, Gateway, chat_prompts
 from eagle3_assets.worker.engines import vllm
 from eagle3_assets.worker.engines.server import EngineServer, free_port
-from gateway import OTHER_LANGUAGES, Gateway, chat_prompts
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Write a haiku about the sea.", "Explain what a hash map is.", "List three prime numbers.",
@@ -224,6 +227,78 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         assert "fired: live" in out and "fired: offline" in out
     finally:
         daemon.stop()
+
+
+def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_rolls_out(production):
+    """The README's second story (eagle3_assets/story/serving_loop.py) on the production graph, with a canary
+    beside its server that reads its drafters from its own copy of the exports: the drafter in production (promoted
+    by hand) serves; the traffic moves to other languages; drift starts a retraining (retrain_on_drift_sensor,
+    turned on as a team would), whose challenger wins the gate and is rolled out: prod-a serves it, and its live
+    acceptance on prompts of the new kind that never entered the traffic rises; the canary, where nobody copied the new export, fails its
+    health check and is rolled back, stopping the rollout there. A challenger made worse on purpose (a learning
+    rate 200 times the retraining's) is then refused by the gate."""
+    p = production
+    work = p.root / "story"
+    target, champion = p.graph.latest("target_model")["path"], p.drafter
+    canary_root = p.root / "canary-models"  # the canary's own copy of the exports: the champion only
+    shutil.copytree(Path(champion), canary_root / Path(champion).parent.name / Path(champion).name)
+    port = free_port()
+    canary = {"name": "canary", "url": f"http://127.0.0.1:{port}", "engine": "vllm", "drafter": champion,
+              "restart": serving_loop.restart_command(work / "canary", port, target, "--drafter-root", str(canary_root)),
+              "ready_timeout_s": 120}
+    try:
+        story = serving_loop.run(p.home, work, name="prod-a", extra_servers=(canary,), workspace=ROOT / "workspace.yaml",
+                                 cwd=ROOT, env={"EAGLE3_HOST_WORKDIR": str(p.graph.workdir)}, timeout_s=2400)
+        now = record.current(p.graph.instance, "vllm")
+        gate = p.graph.latest("promotion_gate", "vllm")
+        print(f"\ngate: {json.dumps(gate['figures'])}\nproduction: {now['decision']} {now['version'][:12]}\n"
+              f"the loop's steps (s): {json.dumps(story.steps_s)}\nthe story's marks (s): {json.dumps(story.marks)}\n"
+              f"live acceptance on prompts of the new kind kept out of the traffic: {story.before:.3f}, then {story.after}")
+        retrainings = p.graph.instance.get_runs(dg.RunsFilter(tags={"eagle3/retrain": "vllm"}))
+        assert len(retrainings) == 1, "one retraining per engine at a time"
+        assert story.champion == champion
+        assert now["decision"] == "promoted by the gate" and now["replaced"] == p.graph.data_version("eagle3_drafter")
+        assert now["traffic_days"] and now["version"] == gate["challenger"]
+        figs = gate["figures"]
+        assert figs["challenger"]["traffic"]["acceptance_length"] > figs["champion"]["traffic"]["acceptance_length"]
+        # the rollout: prod-a serves the challenger; the canary failed its health check and is back on the champion
+        assert story.run_status == "FAILURE"
+        assert "stopped at canary" in _failure(p.graph.instance, story.run_id)
+        assert (work / "prod-a" / "drafter").read_text() == now["export_path"]
+        assert (work / "canary" / "drafter").read_text().endswith(str(Path(champion).relative_to(
+            Path(champion).parents[1])))
+        assert _healthy(canary["url"])
+        # the live acceptance on the new kind of traffic, before and after
+        assert story.after is not None and story.after > story.before
+
+        # a challenger made worse on purpose is refused, and production stays
+        worse = p.graph.materialize("challenger_drafter", "challenger_export", config={
+            "challenger_drafter": {"config": {"run_name": "worse", "epochs": 3, "lr": 0.02, "ttt_steps": 3,
+                                              "row_tokens": 512, "rows_per_batch": 1}}})
+        assert worse.success
+        # judged on acceptance alone (no baseline server: the verdict says so), on 8 prompts a set, to save CI time
+        gate_config = serving_loop.retrain_config()["ops"]["promotion_gate"]["config"]
+        refused = p.graph.materialize("promotion_gate", "production_drafter", partition="vllm", raise_on_error=False,
+                                      config={"promotion_gate": {"config": {**gate_config, "limit": 8,
+                                                                            "baseline": False}}})
+        assert not refused.success and record.current(p.graph.instance, "vllm")["version"] == now["version"]
+        assert not p.graph.latest("promotion_gate", "vllm")["promote"]
+    finally:
+        serving_loop.stop_servers(work, ("prod-a", "canary"))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _failure(instance, run_id: str) -> str:
+    return "\n".join(e.dagster_event.step_failure_data.user_failure_data.description or ""
+                     for e in instance.all_logs(run_id) if e.dagster_event and e.dagster_event.is_step_failure
+                     and e.dagster_event.step_failure_data.user_failure_data)
 
 
 def test_live_acceptance_from_a_real_server_through_load_a_stop_and_a_restart(production):

@@ -12,12 +12,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ...common.ports import free_port  # noqa: F401 (the stages and tests take it from here)
 from ..errors import StageError
 
 # Where a yes from an engine's probe is kept: the probe imports the engine (30-60 s on a 2-core CPU), and the
@@ -143,16 +143,6 @@ def serve_preflight(engine, python: str, target: Path, *, dtype: str | None = No
         raise StageError(f"{engine.NAME} {info['version']} cannot serve an EAGLE-3 drafter for this target ({target}, "
                          f"architecture {info['architecture']}, served in {dtype}): {'; '.join(reasons)}")
     return info
-
-
-def free_port(taken: list[int] | tuple[int, ...] = ()) -> int:
-    """A port free now on 127.0.0.1, other than those in `taken` (given to servers not started yet)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            return port
 
 
 def log_tail(path: Path, nbytes: int = 3000) -> str:

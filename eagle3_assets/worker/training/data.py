@@ -43,8 +43,14 @@ class ShardSet:
     module's docstring); `identity`, per shard, is what the training fingerprint compares."""
 
     def __init__(self, shard_dirs: list[Path], hidden_size: int, aux_layer_ids: list[int] | None = None,
-                 verify: bool = True):
+                 verify: bool = True, mix_dirs: list[Path] = (), mix_share: float = 0.0, seed: int = 0):
+        """`mix_dirs`: more shards (the data a finetuned drafter was trained on), of which a seeded sample joins the
+        samples of `shard_dirs` so that it makes `mix_share` of the whole (or all of them, when too few)."""
         self.refs: list[Ref] = []
+        self.mix = {"new_samples": 0, "old_samples": 0, "old_available": 0, "old_share": 0.0}
+        mix_dirs = [d for d in mix_dirs if d not in shard_dirs]
+        shard_dirs = list(shard_dirs) + mix_dirs
+        old_refs: list[Ref] = []
         self.aux_layer_ids = None
         self.identity: list[dict] = []
         self.verified_bytes = 0
@@ -84,8 +90,9 @@ class ShardSet:
                 raise StageError(f"{index}: its sha256 differs from the one {d / 'manifest.json'} records: the "
                                  f"index was rewritten or damaged after extraction, so its samples cannot be trusted; "
                                  f"{_rerun(d)}")
+            into = old_refs if d in mix_dirs else self.refs
             for r in pq.read_table(index).to_pylist():
-                self.refs.append(Ref(d / r["part"], r["offset"], r["length"]))
+                into.append(Ref(d / r["part"], r["offset"], r["length"]))
             # content identity: the manifest's hashes (checked against the files when verify is on)
             self.identity.append({"aux_layer_ids": list(m["aux_layer_ids"]), "index": m["index"]["sha256"],
                                   "files": [[f["name"], f["sha256"]] for f in m["files"]]})
@@ -95,11 +102,24 @@ class ShardSet:
                              f"{list(aux_layer_ids)} (output-of-layer convention)")
         if not self.refs:
             raise StageError("the hidden-state shards hold no samples")
+        if old_refs:
+            self._mix_in(old_refs, mix_share, seed)
         if verify:
             # hashlib and torch release the GIL: parts are checked in parallel, the first bad one (in order) raises
             with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
                 list(pool.map(lambda pfd: self._verify_part(*pfd), parts))
             self.verified_bytes = sum(f["bytes"] for _, f, _ in parts)
+
+    def _mix_in(self, old: list[Ref], share: float, seed: int) -> None:
+        import random
+
+        n = len(self.refs)
+        want = round(n * share / (1 - share)) if share < 1 else len(old)
+        picked = sorted(random.Random(seed).sample(range(len(old)), min(want, len(old))))
+        self.refs += [old[i] for i in picked]
+        self.mix = {"new_samples": n, "old_samples": len(picked), "old_available": len(old),
+                    "old_share": round(len(picked) / (n + len(picked)), 4)}
+        self.identity.append({"mix": self.mix, "seed": seed})  # another mix is another training set
 
     def _verify_part(self, part: Path, f: dict, d: Path, chunk_elems: int = 32 << 20) -> None:
         got = sha256_file(part)

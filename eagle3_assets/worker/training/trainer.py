@@ -121,13 +121,15 @@ class Trainer:
 
         args, tc = self.args, self.tc
         shard_dirs = [resolve(self.workdir, s) for s in args.shards]
+        mix = {"mix_dirs": [resolve(self.workdir, s) for s in args.mix_shards], "mix_share": float(args.mix_share),
+               "seed": int(args.seed)}
         self.init_dir = self.vocab_path = self.weights = None
         if args.init_from:
             self.init_dir = init_dir(self.workdir, args.init_from)
             self.cfg, self.weights = load_drafter_dir(self.init_dir, tc)
             ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
                                tc.model_type)
-            self.data = ShardSet(shard_dirs, tc.hidden_size)
+            self.data = ShardSet(shard_dirs, tc.hidden_size, **mix)
             check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids,  # before a single step
                                   tc.num_hidden_layers)
             self.reporter.log(f"finetuning {self.init_dir}: its draft vocab ({self.cfg.draft_vocab_size}), aux layers "
@@ -147,7 +149,7 @@ class Trainer:
         if int((torch.arange(d2t.shape[0]) + d2t).max()) >= tc.vocab_size or int(t2d.sum()) != d2t.shape[0]:
             raise StageError(f"vocab mapping {args.vocab}: d2t and t2d disagree (d2t maps to ids outside the "
                              "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
-        self.data = ShardSet(shard_dirs, tc.hidden_size)
+        self.data = ShardSet(shard_dirs, tc.hidden_size, **mix)
         self.cfg = DraftConfig.from_target(tc, d2t.shape[0], self.data.aux_layer_ids)
         if not 1 <= int(self.hp.num_layers) <= tc.num_hidden_layers:
             raise StageError(f"num_layers must be between 1 and the target's {tc.num_hidden_layers} layers, got "
@@ -526,6 +528,7 @@ class Trainer:
             "resumed_from_step": self.resumed_from,
             "ttt_steps": int(hp.ttt_steps),
             "train_tokens_per_epoch": self.data.tokens,
+            **({f"mix_{k}": v for k, v in self.data.mix.items()} if self.args.mix_shards else {}),
             "tokens_per_s": round(self.tokens_per_s, 1),
             "wall_s": round(self.wall, 1),
             **self.loader,

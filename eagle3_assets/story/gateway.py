@@ -1,7 +1,7 @@
-"""A serving gateway as the serving eye's tests need one: a bounded load generator sending OpenAI chat-completions
-requests one at a time to a server on 127.0.0.1, writing each request to a JSONL request log with its timestamp as
-a gateway does, and two kinds of traffic: the shipped chat prompts (what the drafter was trained on) and prompts
-in languages it never saw.
+"""A serving gateway as the second story and the serving eye's tests need one: a bounded load generator sending
+OpenAI chat-completions requests one at a time to a server on 127.0.0.1, writing each request to a JSONL request log
+with its timestamp as a gateway does, and two kinds of traffic: the shipped chat prompts (what the drafter was
+trained on) and prompts in languages it never saw.
 
 Why other languages for the new kind, not code or structured data: measured offline on the shipped base drafter (64
 new tokens, k=3, float32, 2-core AMD EPYC, 2026-12-03), the shipped chat prompts gave an acceptance length of 2.07,
@@ -11,6 +11,7 @@ well), French 1.36 and German 1.49: a new language is the shift this drafter doe
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +52,36 @@ OTHER_LANGUAGES = [
 ]
 
 
+# Many more of the new kind, for a retraining to learn from: questions built from templates and topics, in the
+# three languages above (distinct prompts, not near copies of each other at the traffic's dedup threshold).
+_TEMPLATES = {
+    "fr": ["Explique-moi simplement {t}.", "Pourquoi {t} est-il important aujourd'hui ?",
+           "Donne-moi trois faits surprenants sur {t}.", "Comment expliquer {t} à un enfant de dix ans ?",
+           "Quelle est l'histoire de {t} en quelques phrases ?", "Quels sont les avantages et les limites de {t} ?"],
+    "es": ["Explícame de forma sencilla {t}.", "¿Por qué es importante {t} hoy en día?",
+           "Dame tres datos curiosos sobre {t}."],
+    "de": ["Erkläre mir einfach {t}.", "Warum ist {t} heute wichtig?", "Nenne mir drei überraschende Fakten über {t}."],
+}
+_TOPICS = {
+    "fr": ["la photosynthèse", "le cycle de l'eau", "la Révolution française", "l'intelligence artificielle",
+           "le système solaire", "la gravité", "le vaccin contre la grippe", "l'économie circulaire", "le jazz",
+           "la tectonique des plaques", "le réchauffement climatique", "la démocratie", "le sommeil des animaux",
+           "la cuisine lyonnaise", "le marathon", "les abeilles", "la monnaie", "le cinéma muet", "les volcans",
+           "la mémoire humaine"],
+    "es": ["la fotosíntesis", "el ciclo del agua", "la inteligencia artificial", "el sistema solar", "los volcanes",
+           "la democracia", "las abejas", "el flamenco"],
+    "de": ["die Photosynthese", "der Wasserkreislauf", "die künstliche Intelligenz", "das Sonnensystem",
+           "die Vulkane", "die Demokratie", "die Bienen", "der Jazz"],
+}
+
+
+def other_language_prompts(n: int) -> list[str]:
+    """Up to n (168) generated prompts in French, Spanish and German, in a fixed shuffled order."""
+    out = [tpl.format(t=topic) for lang in _TEMPLATES for topic in _TOPICS[lang] for tpl in _TEMPLATES[lang]]
+    random.Random(0).shuffle(out)
+    return out[:n]
+
+
 def chat_prompts(n: int) -> list[str]:
     """The shipped single-turn chat prompts (explanations, advice, trivia) the base drafter was trained on: 1.93, 2.33
     and 1.97 offline (12 prompts each, as above), where its creative writing gave 1.84."""
@@ -66,11 +97,13 @@ class Gateway:
     def __init__(self, url: str, log: Path, max_tokens: int = 64):
         self.url, self.log, self.max_tokens, self.sent = url, log, max_tokens, 0
 
-    def send(self, text: str) -> dict:
+    def send(self, text: str, log: bool = True) -> dict:
+        """One request; `log=False`: a monitor's probe, which the gateway's log (the traffic) never holds."""
         body = {"model": "target", "messages": [{"role": "user", "content": text}], "max_tokens": self.max_tokens,
                 "temperature": 0}
-        with open(self.log, "a") as f:
-            f.write(json.dumps({"timestamp": time.time(), "route": "/v1/chat/completions", "body": body}) + "\n")
+        if log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"timestamp": time.time(), "route": "/v1/chat/completions", "body": body}) + "\n")
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=180) as r:

@@ -1,0 +1,157 @@
+"""The promotion gate and the production record (group `loop`).
+
+promotion_gate (per engine) serves the drafter in production (the champion) and the challenger with the same
+settings in the same run (stage serve_compare), on prompts of the recent traffic held out of the retraining and on
+the standing eval set. Its blocking checks hold the gate: the challenger beats the champion on the held-out traffic,
+in acceptance length and speedup, by `margin`; and loses no more than `eval_tolerance` of its acceptance length on the
+eval set. production_drafter (per engine) records each decision (production.py): promoted by the gate (it runs only
+once the gate's checks pass), promoted by hand, rolled back."""
+
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from .. import production
+from ..code_versions import code_version
+from ..hosts import GpuHost
+from ..stages.serve_compare import ServeCompareSettings
+from .paths import EVAL
+from .retrain import champion
+from .serving import engine_partitions
+from .upstream import upstream_metadata
+
+BEATS, HOLDS = "challenger_beats_champion", "challenger_holds_eval"
+CHALLENGER = dg.AssetKey("challenger_export")
+
+
+class PromotionGateConfig(dg.Config, ServeCompareSettings):
+    """serve_compare's launch settings (eagle3_assets/stages/serve_compare.py), and the gate's margins."""
+
+    margin: float = Field(default=0.02, ge=0, description="the challenger's acceptance length and speedup on the "
+                          "held-out traffic must beat the champion's by this fraction")
+    eval_tolerance: float = Field(default=0.03, ge=0, lt=1, description="the challenger's acceptance length on the "
+                                  "eval set may fall below the champion's by at most this fraction")
+
+
+def verdict(figures: dict, margin: float, tolerance: float) -> dict[str, tuple[bool, str]]:
+    """Each blocking check's (passed, why) from serve_compare's figures {label: {set: figures}}."""
+    champ, chall = figures["champion"], figures["challenger"]
+    out = {}
+    why = []
+    ok = True
+    for key in ("acceptance_length", "speedup"):
+        a, b = champ["traffic"].get(key), chall["traffic"].get(key)
+        if a is None or b is None:
+            if key == "speedup":  # no baseline measured: judged on acceptance alone, and said
+                why.append("speedup not measured (baseline off)")
+                continue
+            ok = False
+            why.append(f"{key} not measured")
+            continue
+        beat = b >= a * (1 + margin)
+        ok &= beat
+        why.append(f"{key} {b:.3f} vs the champion's {a:.3f} ({(b - a) / a:+.1%}, must be >= +{margin:.0%})")
+    out[BEATS] = (ok, "on the held-out traffic: " + "; ".join(why))
+    a, b = champ["eval"]["acceptance_length"], chall["eval"]["acceptance_length"]
+    holds = a is not None and b is not None and b >= a * (1 - tolerance)
+    out[HOLDS] = (holds, f"on the eval set: acceptance length {b} vs the champion's {a}"
+                         + (f" ({(b - a) / a:+.1%}, may fall at most {tolerance:.0%})" if a and b else ""))
+    return out
+
+
+# The champion is read from production_drafter's record, not taken as an input: the record is downstream of the gate.
+@dg.asset(group_name="loop", partitions_def=engine_partitions, pool="gpu_host",
+          deps=["challenger_export", "retrain_data", "prompts", "target_model"],
+          code_version=code_version(__name__, "promotion_gate"),
+          check_specs=[dg.AssetCheckSpec(BEATS, asset="promotion_gate", blocking=True,
+                                         description="the challenger beats the champion on held-out recent traffic"),
+                       dg.AssetCheckSpec(HOLDS, asset="promotion_gate", blocking=True,
+                                         description="the challenger keeps the champion's acceptance on the eval set")])
+def promotion_gate(context: dg.AssetExecutionContext, config: PromotionGateConfig, gpu_host: GpuHost):
+    """Champion and challenger served by the engine (partition) with the same settings in one run, on held-out
+    recent traffic and on the eval set; the checks decide the promotion."""
+    engine = context.partition_key
+    champ = champion(context, engine)
+    chall = production.export_of(context.instance, asset=CHALLENGER)
+    if not chall.get(f"{engine}_path"):
+        raise dg.Failure(description=f"challenger_export has no {engine} dialect: "
+                                     f"{chall.get(f'{engine}_left_out') or 'export it for ' + engine}")
+    if not champ["export_path"]:
+        raise dg.Failure(description=f"the champion ({champ['from']}) has no {engine} export: promote one that has")
+    split = upstream_metadata(context, "retrain_data")
+    run = gpu_host.run_stage(context, "serve_compare", {
+        "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
+        "drafters": {"champion": champ["export_path"], "challenger": chall[f"{engine}_path"]},
+        "prompt_sets": {"traffic": split["heldout"], "eval": EVAL}, "out_dir": f"gate/{engine}",
+        **config.model_dump(exclude={"margin", "eval_tolerance"})})
+    figures = run.result["figures"]
+    checks = verdict(figures, config.margin, config.eval_tolerance)
+    passed = all(ok for ok, _ in checks.values())
+    context.log.info("; ".join(why for _, why in checks.values()))
+    result = run.materialize_result(
+        champion=champ["version"] or "unknown", challenger=chall["checkpoint"] or "unknown",
+        challenger_export=chall[f"{engine}_path"], champion_export=champ["export_path"],
+        traffic_days=dg.MetadataValue.json(split["traffic_days"]), promote=passed,
+        decision="promote the challenger" if passed else "keep the champion: the challenger is kept, not promoted")
+    return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version, check_results=[
+        dg.AssetCheckResult(check_name=name, passed=ok, description=why, severity=dg.AssetCheckSeverity.ERROR)
+        for name, (ok, why) in checks.items()])
+
+
+class ProductionConfig(dg.Config):
+    action: Literal["gate", "promote", "rollback"] = Field(
+        default="gate", description="gate: the challenger the newest promotion_gate passed; promote: `version` (an "
+        "export's checkpoint, default the newest drafter_export) by hand; rollback: to `version`, default the drafter "
+        "in production before this one")
+    version: str | None = Field(default=None, description="a checkpoint (its data version, 8 characters or more)")
+    why: str = Field(default="", description="recorded with the decision")
+
+
+def _gate_passed(context, engine: str) -> dict:
+    rec = context.instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("promotion_gate"), asset_partitions=[engine]), limit=1).records
+    if not rec:
+        raise dg.Failure(description=f"no promotion_gate for {engine}: materialize it first", allow_retries=False)
+    meta = {"storage_id": rec[0].storage_id, **{k: v.value for k, v in
+                                               rec[0].event_log_entry.asset_materialization.metadata.items()}}
+    if not meta.get("promote"):
+        raise dg.Failure(description=f"the newest promotion_gate for {engine} kept the champion ({meta.get('decision')}):"
+                                     " nothing to promote", allow_retries=False)
+    return meta
+
+
+@dg.asset(group_name="loop", partitions_def=engine_partitions, deps=["promotion_gate"],
+          code_version=code_version(__name__, "production_drafter"))
+def production_drafter(context: dg.AssetExecutionContext, config: ProductionConfig) -> dg.MaterializeResult:
+    """Which export serves in production on the engine (partition), and the decision that put it there: the gate's
+    (both drafters' figures and the traffic days behind the challenger), by hand, or a rollback."""
+    engine, before = context.partition_key, production.current(context.instance, context.partition_key)
+    try:
+        if config.action == "gate":
+            gate = _gate_passed(context, engine)
+            export = production.export_of(context.instance, gate["challenger"], asset=CHALLENGER)
+            meta = production.decision(engine, export, "promoted by the gate", config.why or gate["decision"], before,
+                                       figures=dg.MetadataValue.json(gate.get("figures") or {}),
+                                       traffic_days=dg.MetadataValue.json(gate.get("traffic_days") or []),
+                                       gate_storage_id=gate["storage_id"])
+        elif config.action == "promote":
+            export = _any_export(context, config.version)
+            meta = production.decision(engine, export, "promoted by hand", config.why, before)
+        else:
+            meta = production.decision(engine, production.rollback_target(context.instance, engine, config.version),
+                                       "rolled back", config.why, before)
+    except ValueError as e:
+        raise dg.Failure(description=str(e), allow_retries=False) from None
+    context.log.info(f"{engine}: {meta['decision']}: {meta['version'][:12]} (replaced {meta['replaced'][:12]})")
+    return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(meta["version"]))
+
+
+def _any_export(context, version: str | None) -> dict:
+    """A drafter_export by checkpoint, else a challenger_export."""
+    try:
+        return production.export_of(context.instance, version)
+    except ValueError:
+        if version is None:
+            raise
+        return production.export_of(context.instance, version, asset=CHALLENGER)

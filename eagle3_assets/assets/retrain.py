@@ -1,0 +1,150 @@
+"""Retraining on traffic (group `loop`): the newest traffic days become a challenger to the drafter in production.
+
+retrain_data (stage traffic_split) cuts the days into prompts to train on and prompts held out for the promotion
+gate; retrain_conversations has the target write their replies (stage generate, as `conversations` does);
+retrain_shards extracts their hidden states (stage extract); challenger_drafter finetunes the drafter in production
+(`init_from`, through the layer-id check) on them with part of the data it was trained on mixed in (`mix_share`),
+so that it does not forget what it served before; challenger_export exports it. Files live under retrain/ on the
+host (one retraining at a time: the run queue's tag eagle3/retrain keeps it so), the challenger under
+drafter/<run_name>."""
+
+import dagster as dg
+from pydantic import Field
+
+from .. import production
+from ..code_versions import code_version
+from ..common.engines import DEFAULT, NAMES
+from ..hosts import GpuHost
+from ..stages.export import ExportSettings
+from ..stages.extract import ExtractSettings
+from ..stages.generate import GenerateSettings
+from ..stages.traffic_split import TrafficSplitSettings
+from ..stages.train import TrainSettings
+from .partitions import shard_partitions
+from .paths import DRAFTER_DIR, EXPORT_DIR, SHARDS_DIR
+from .traffic import TRAFFIC_DIR
+from .upstream import upstream_metadata
+
+RETRAIN_DIR = "retrain"
+CONVERSATIONS = f"{RETRAIN_DIR}/conversations.parquet"
+SHARDS = f"{RETRAIN_DIR}/hidden_states"
+
+
+class RetrainDataConfig(dg.Config, TrafficSplitSettings):
+    """The traffic_split stage's settings (eagle3_assets/stages/traffic_split.py), and which days it takes."""
+
+    days: int = Field(default=1, gt=0, description="the newest traffic partitions materialized, taken together")
+
+
+@dg.asset(group_name="loop", kinds={"parquet"}, deps=["traffic"], code_version=code_version(__name__, "retrain_data"))
+def retrain_data(context: dg.AssetExecutionContext, config: RetrainDataConfig, gpu_host: GpuHost):
+    """The newest traffic days, cut by a hash of each prompt into prompts to retrain on and prompts held out for
+    the promotion gate. Too little new traffic (under min_prompts) fails it, saying so: nothing is retrained."""
+    done = sorted(context.instance.get_materialized_partitions(dg.AssetKey("traffic")), reverse=True)
+    if not done:
+        raise dg.Failure(description="no traffic partition is materialized: materialize traffic for the days to "
+                                     "retrain on", allow_retries=False)
+    days = done[: config.days]
+    run = gpu_host.run_stage(context, "traffic_split", {
+        "days": [f"{TRAFFIC_DIR}/{d}.parquet" for d in days], "out_dir": RETRAIN_DIR,
+        **config.model_dump(exclude={"days"})})
+    return run.materialize_result(traffic_days=dg.MetadataValue.json(days))
+
+
+class RetrainConversationsConfig(dg.Config, GenerateSettings):
+    """The generate stage's settings (eagle3_assets/stages/generate.py) for the traffic's replies."""
+
+
+@dg.asset(group_name="loop", kinds={"pytorch", "parquet"}, deps=["retrain_data", "target_model"], pool="gpu_host",
+          code_version=code_version(__name__, "retrain_conversations"))
+def retrain_conversations(context: dg.AssetExecutionContext, config: RetrainConversationsConfig, gpu_host: GpuHost):
+    """The traffic's training prompts with the target's own replies, as `conversations` regenerates them."""
+    split = upstream_metadata(context, "retrain_data")
+    run = gpu_host.run_stage(context, "generate", {
+        "target": upstream_metadata(context, "target_model")["path"], "prompts": split["train"],
+        "out": CONVERSATIONS, **config.model_dump()})
+    return run.materialize_result(traffic_days=dg.MetadataValue.json(split["traffic_days"]))
+
+
+class RetrainShardsConfig(dg.Config, ExtractSettings):
+    """The extract stage's settings (eagle3_assets/stages/extract.py)."""
+
+
+@dg.asset(group_name="loop", kinds={"pytorch", "safetensors"}, deps=["retrain_conversations", "target_model"],
+          pool="gpu_host", code_version=code_version(__name__, "retrain_shards"))
+def retrain_shards(context: dg.AssetExecutionContext, config: RetrainShardsConfig, gpu_host: GpuHost):
+    """The hidden states of the traffic's conversations, one shard (as hidden_state_shards writes them)."""
+    conv = upstream_metadata(context, "retrain_conversations")
+    run = gpu_host.run_stage(context, "extract", {
+        "target": upstream_metadata(context, "target_model")["path"], "conversations": CONVERSATIONS,
+        "out_dir": SHARDS, "shard": 0, "samples_per_shard": max(1, int(conv["conversations"])), **config.model_dump()})
+    return run.materialize_result(shard=f"{SHARDS}/shard-00000")
+
+
+class ChallengerConfig(dg.Config, TrainSettings):
+    """The train stage's settings (eagle3_assets/stages/train.py) for the finetune of the drafter in production."""
+
+    run_name: str = Field(default="challenger", description="output under drafter/<run_name>")
+    # 0.5 measured best (bench/retrain_mix.py, docs/benchmarks.md#acting-on-drift): on traffic in new languages it
+    # gained as much on held-out traffic as 0 (1.774 vs 1.767, from 1.397) and kept the old eval set (1.937 vs 1.931;
+    # 0 lost 1.7 %), 0.75 gained nothing more for 17 % more steps
+    mix_share: float = Field(default=0.5, ge=0, lt=1, description="the share of the training samples drawn from the "
+                             "data the drafter in production was trained on (its hidden_state_shards)")
+    engine: str = Field(default=DEFAULT, description="whose production drafter is finetuned (" + ", ".join(NAMES) + ")")
+
+
+def champion(context, engine: str) -> dict:
+    """The drafter in production on `engine`, else the newest export (said in the log): what a retraining starts from
+    and what the gate holds the challenger to."""
+    now = production.current(context.instance, engine)
+    if now is not None:
+        return {"version": now["version"], "trained_path": now["trained_path"], "export_path": now["export_path"],
+                "from": f"production_drafter {engine}"}
+    try:
+        export = production.export_of(context.instance)
+    except ValueError as e:
+        raise dg.Failure(description=f"no drafter in production on {engine} and {e}") from None
+    context.log.warning(f"no drafter in production on {engine}: starting from the newest drafter_export "
+                        f"({str(export['checkpoint'])[:12]}); promote one with `eagle3-assets promote`")
+    return {"version": export["checkpoint"], "trained_path": export["source"],
+            "export_path": export.get(f"{engine}_path", ""), "from": "the newest drafter_export"}
+
+
+@dg.asset(group_name="loop", kinds={"pytorch"}, pool="gpu_host",
+          deps=["retrain_shards", "retrain_data", "hidden_state_shards", "target_model"],
+          code_version=code_version(__name__, "challenger_drafter"))
+def challenger_drafter(context: dg.AssetExecutionContext, config: ChallengerConfig, gpu_host: GpuHost):
+    """The drafter in production finetuned on the traffic's hidden states, with mix_share of its old data mixed in:
+    the challenger the promotion gate holds against it. (Which drafter is in production is read from
+    production_drafter's record, not taken as an input: that record is downstream of the gate.)"""
+    if config.engine not in NAMES:
+        raise dg.Failure(description=f"engine must be one of {list(NAMES)}, got {config.engine!r}")
+    champ = champion(context, config.engine)
+    registered = set(context.instance.get_dynamic_partitions(shard_partitions.name))
+    old = sorted(context.instance.get_materialized_partitions(dg.AssetKey("hidden_state_shards")) & registered)
+    days = upstream_metadata(context, "retrain_data")["traffic_days"]
+    args = {"target": upstream_metadata(context, "target_model")["path"],
+            "shards": [upstream_metadata(context, "retrain_shards")["shard"]],
+            "mix_shards": [f"{SHARDS_DIR}/shard-{k}" for k in old] if config.mix_share else [],
+            "init_from": champ["trained_path"], "out": f"{DRAFTER_DIR}/{config.run_name}",
+            **config.model_dump(exclude={"engine", "init_from"})}
+    run = gpu_host.run_stage(context, "train", args)
+    return run.materialize_result(champion=champ["version"] or "unknown", champion_from=champ["from"],
+                                  traffic_days=dg.MetadataValue.json(days), old_shards=len(old) if config.mix_share else 0)
+
+
+class ChallengerExportConfig(dg.Config, ExportSettings):
+    """The export stage's settings (eagle3_assets/stages/export.py)."""
+
+
+@dg.asset(group_name="loop", kinds={"safetensors"}, deps=["challenger_drafter", "target_model"],
+          code_version=code_version(__name__, "challenger_export"))
+def challenger_export(context: dg.AssetExecutionContext, config: ChallengerExportConfig, gpu_host: GpuHost):
+    """The challenger as the engines load it (exports/<version>/<dialect>), as drafter_export exports."""
+    drafter = upstream_metadata(context, "challenger_drafter")
+    version = context.instance.get_latest_materialization_event(
+        dg.AssetKey("challenger_drafter")).asset_materialization.tags.get("dagster/data_version", "latest")
+    run = gpu_host.run_stage(context, "export", {"drafter": drafter["path"],
+                                                 "target": upstream_metadata(context, "target_model")["path"],
+                                                 "out": f"{EXPORT_DIR}/{version[:12]}", **config.model_dump()})
+    return run.materialize_result(traffic_days=dg.MetadataValue.json(drafter.get("traffic_days") or []))

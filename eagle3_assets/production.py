@@ -1,0 +1,76 @@
+"""Which drafter is in production, per engine: the `production_drafter` asset's materializations are the record.
+Each decision (promoted by the gate, promoted by hand, rolled back) is one materialization of the engine's partition,
+written once in one transaction of Dagster's event log (a control plane killed mid-decision leaves the record as it
+was, or with the whole decision), holding the export served, the checkpoint, the champion it replaced, both drafters'
+gate figures and the traffic days behind the challenger. The newest is production; the ones before it are what a
+rollback returns to."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from . import served
+
+PRODUCTION = dg.AssetKey("production_drafter")
+EXPORT = served.EXPORT
+
+
+def history(instance: dg.DagsterInstance, engine: str, limit: int = 200) -> list[dict]:
+    """The engine's decisions, newest first: {storage_id, when, run_id, **metadata}."""
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=PRODUCTION, asset_partitions=[engine]),
+                                           limit=limit).records
+    return [{"storage_id": r.storage_id, "when": r.timestamp, "run_id": r.run_id, **served.meta(r)} for r in recs]
+
+
+def current(instance: dg.DagsterInstance, engine: str) -> dict | None:
+    found = history(instance, engine, limit=1)
+    return found[0] if found else None
+
+
+def export_of(instance: dg.DagsterInstance, version: str | None = None, asset: dg.AssetKey = EXPORT) -> dict:
+    """An export (of `asset`: drafter_export or challenger_export) by the checkpoint it was made from (a prefix of its
+    data version, at least 8 characters), else the newest: {checkpoint, source, <dialect>_path, ...}."""
+    if version is not None and len(version) < 8:
+        raise ValueError(f"version {version!r}: give at least 8 characters of the checkpoint (its data version)")
+    for rec in instance.fetch_materializations(asset, limit=served.SCAN).records:
+        ckpt = (rec.event_log_entry.asset_materialization.tags or {}).get(served.INPUT_VERSION + "eagle3_drafter") \
+            or (rec.event_log_entry.asset_materialization.tags or {}).get(served.INPUT_VERSION + "challenger_drafter")
+        if version is None or (ckpt or "").startswith(version):
+            return {"checkpoint": ckpt, "storage_id": rec.storage_id, **served.meta(rec)}
+    what = f"no {asset.to_user_string()} of checkpoint {version}" if version else f"no {asset.to_user_string()} yet"
+    raise ValueError(f"{what}: `eagle3-assets lineage` lists the checkpoints benchmarked; materialize the export first")
+
+
+def decision(engine: str, export: dict, how: str, why: str, before: dict | None, **extra) -> dict:
+    """The metadata of one decision: what is served from now on, and what it replaced."""
+    path = export.get(f"{engine}_path")
+    if not path:
+        raise ValueError(f"the export of checkpoint {export.get('checkpoint')} has no {engine} dialect "
+                         f"({export.get(f'{engine}_left_out') or 'export it for ' + engine})")
+    return {"engine": engine, "version": export["checkpoint"] or "unknown", "export_path": str(path),
+            "trained_path": str(export.get("source") or ""), "decision": how, "why": why,
+            "replaced": (before or {}).get("version") or "none", "replaced_export_path": (before or {}).get("export_path") or "",
+            **extra}
+
+
+def report(instance: dg.DagsterInstance, engine: str, meta: dict) -> None:
+    """A decision made outside a run (the CLI): one runless materialization of the engine's partition."""
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        asset_key=PRODUCTION, partition=engine, metadata=meta,
+        tags={"dagster/data_version": meta["version"]}))
+
+
+def rollback_target(instance: dg.DagsterInstance, engine: str, version: str | None) -> dict:
+    """The export a rollback returns to: `version`, else the production drafter before the current one."""
+    past = history(instance, engine)
+    if not past:
+        raise ValueError(f"nothing is in production on {engine} yet: promote a drafter first")
+    if version is None:
+        older = [h for h in past[1:] if h["version"] != past[0]["version"]]
+        if not older:
+            raise ValueError(f"{engine} has had only {past[0]['version'][:12]} in production: nothing to roll back to")
+        version = older[0]["version"]
+    for h in past:
+        if h["version"].startswith(version):
+            return {"checkpoint": h["version"], f"{engine}_path": h["export_path"], "source": h["trained_path"]}
+    raise ValueError(f"{version} was never in production on {engine}: `eagle3-assets production` lists what was")

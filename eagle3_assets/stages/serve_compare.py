@@ -1,0 +1,34 @@
+"""Stage `serve_compare`: several exported drafters served by one engine with the same settings, one after another
+in the same run, each on the same prompt sets, against the same server without speculation: the promotion gate's
+measurement (champion and challenger, on held-out recent traffic and on the standing eval set)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import DEFAULT_ENGINE, EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS, Args, Contract, EngineName, Result
+from .serve_bench import ServeBenchSettings
+
+
+class ServeCompareSettings(ServeBenchSettings):
+    """serve_bench's launch settings; measured at the lowest of `concurrencies` (one request at a time by default)."""
+
+    concurrencies: list[int] = Field(default=[1], min_length=1, description="the first is measured")
+    limit: int | None = Field(default=16, gt=0, description="prompts per set (None: all)")
+    max_new_tokens: int = Field(default=EVAL_NEW_TOKENS, gt=0)
+    num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0)
+
+
+class ServeCompareArgs(Args, ServeCompareSettings):
+    engine: EngineName = Field(default=DEFAULT_ENGINE)
+    target: str = Field(description="the target model directory")
+    drafters: dict[str, str] = Field(min_length=1, description="label -> exported drafter (the engine's dialect)")
+    prompt_sets: dict[str, str] = Field(min_length=1, description="name -> prompts (Parquet)")
+    out_dir: str = Field(description="the servers' logs and the requests' outputs")
+
+
+class ServeCompareResult(Result):
+    figures: dict
+
+
+CONTRACT = Contract(ServeCompareArgs, metadata=ServeCompareResult)

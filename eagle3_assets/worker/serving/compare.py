@@ -1,0 +1,106 @@
+"""Stage `serve_compare`: drafters side by side in one engine, the promotion gate's measurement. Each drafter (and
+the target alone, for the speedup) gets a server with the same launch settings, started one after the other (or
+together on a CPU host whose memory holds them, as serve_bench does); each is warmed up, then measured on every
+prompt set one request at a time: acceptance from the engine's own counters, output tokens/s. The figures come back
+as {label: {set: figures}}, with the speedup over the baseline on the same set."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+import pyarrow.parquet as pq
+
+from .. import engines
+from ..compute_dtype import choice, host_device, line
+from ..engines import load
+from ..engines.server import EngineServer, free_port, serve_preflight
+from ..errors import StageError
+from ..files import require_file, resolve
+from ..target.chat import first_turn_prompt
+from ..target.model import load_tokenizer
+from .bench import measure, start_together
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.serve_compare import ServeCompareArgs
+
+BASELINE = "baseline"
+
+
+def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
+    engine = engines.get(args.engine)
+    python = args.engine_python or sys.executable
+    target = resolve(workdir, args.target)
+    drafters = {label: resolve(workdir, d) for label, d in args.drafters.items()}
+    for label, d in drafters.items():
+        require_file(d / "config.json", f"the {label} drafter's export", "materialize its export first")
+    if BASELINE in drafters:
+        raise StageError(f"a drafter may not be labelled {BASELINE!r}: that is the server without speculation")
+    out_dir = resolve(workdir, args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = host_device()
+    dtype_info = choice(args.dtype, device)
+    info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=list(args.extra_args or []))
+    reporter.log(f"{engine.NAME} {info['version']}; {line(dtype_info)}")
+    tok = load_tokenizer(target)
+    sets = {}
+    for name, path in args.prompt_sets.items():
+        rows = pq.read_table(require_file(resolve(workdir, path), f"prompt set {name}", "materialize it first"),
+                             columns=["id", "messages"]).to_pylist()[: int(args.limit or 10**9)]
+        if not rows:
+            raise StageError(f"prompt set {name} ({path}) holds no prompts")
+        sets[name] = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
+    k, max_new, c = int(args.num_speculative_tokens), int(args.max_new_tokens), int(args.concurrencies[0])
+    common = dict(k=k, dtype=dtype_info["dtype"], max_model_len=int(args.max_model_len), seed=int(args.seed),
+                  extra=list(args.extra_args or []), language_model_only=engine.text_only(target, info,
+                                                                                        args.language_model_only))
+    env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args.env or {}).items()}}
+    labels = [*drafters, *([BASELINE] if args.baseline else [])]
+
+    def server(label: str, taken: list[int]) -> EngineServer:
+        argv = engine.server_command(python, str(target), free_port(taken),
+                                     drafter=str(drafters[label]) if label != BASELINE else None, **common)
+        return EngineServer(f"{engine.NAME} ({label})", argv, int(argv[argv.index("--port") + 1]),
+                            out_dir / f"server-{label}.log", env=env, health=engine.HEALTH)
+
+    together, why = start_together(args.start_servers, len(labels), target, env, device)
+    reporter.log(why)
+    figures: dict[str, dict] = {}
+    t0 = time.monotonic()
+    with ExitStack() as running:
+        started = {}
+        if together:
+            t_start = time.monotonic()
+            for label in labels:
+                started[label] = running.enter_context(server(label, [s.port for s in started.values()]))
+            for srv in started.values():
+                srv.wait_ready(float(args.ready_timeout_s), reporter, since=t_start)
+        for label in labels:
+            srv = started.get(label) or running.enter_context(server(label, []))
+            if not together:
+                srv.wait_ready(float(args.ready_timeout_s), reporter)
+            if engine.WARM_UP:
+                load.drive(srv.base_url, "target", next(iter(sets.values()))[:1], 4, 1)
+            figures[label] = {}
+            for name, requests in sets.items():
+                got, _ = measure(engine, srv, requests, c, max_new, k, reporter, label != BASELINE)
+                figures[label][name] = {key: got.get(key) for key in (
+                    "acceptance_length", "acceptance_per_pos", "output_tokens_per_s", "requests")}
+                reporter.log(f"{label} on {name}: acceptance length {got.get('acceptance_length')}, "
+                             f"{got.get('output_tokens_per_s')} tokens/s")
+            srv.stop()
+    if args.baseline:
+        for label in drafters:
+            for name in sets:
+                base = figures[BASELINE][name]["output_tokens_per_s"]
+                mine = figures[label][name]["output_tokens_per_s"]
+                figures[label][name]["speedup"] = round(mine / base, 4) if base and mine else None
+    meta = {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
+            "max_new_tokens": max_new, "concurrency": c, "figures": figures, "path": str(out_dir),
+            "wall_s": round(time.monotonic() - t0, 1), **dtype_info,
+            **{f"{label}_{name}_{key}": v for label, per in figures.items() for name, f in per.items()
+               for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None}}
+    reporter.materialize(metadata=meta)
+    reporter.result(meta)

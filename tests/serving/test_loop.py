@@ -1,0 +1,177 @@
+"""Acting on drift, without a server: the traffic cut into what a retraining learns and what the gate measures, the
+old data mixed into a finetune, the gate's verdict, and the production record (promote and roll back, from the CLI
+and as the asset the UI materializes). The whole loop with a real vLLM server: test_serving_eye.py."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TINY_TRAIN, run_stage
+from eagle3_assets import cli, production
+from eagle3_assets.assets.promotion import BEATS, HOLDS, verdict
+from eagle3_assets.story.gateway import OTHER_LANGUAGES, chat_prompts
+from eagle3_assets.worker.data.traffic_split import held_out
+from eagle3_assets.worker.training.data import ShardSet
+
+
+def _day(path: Path, texts: list[str]) -> str:
+    pq.write_table(pa.Table.from_pylist([{"id": f"{path.stem}-{i}", "source": "gw", "num_user_turns": 1,
+                                          "messages": [{"role": "user", "content": t}], "kind": "x"}
+                                         for i, t in enumerate(texts)]), path)
+    return str(path)
+
+
+def test_the_traffic_is_cut_by_prompt_so_the_gate_never_measures_on_what_was_trained(tmp_path):
+    texts = OTHER_LANGUAGES + chat_prompts(30)
+    a = _day(tmp_path / "2026-12-03.parquet", texts[:40])
+    b = _day(tmp_path / "2026-12-04.parquet", texts[30:] + texts[:5])  # repeats across the days
+    done = run_stage(tmp_path, "traffic_split", {"days": [b, a], "out_dir": "retrain", "min_prompts": 10})
+    assert done.returncode == 0, done.stderr
+    train = pq.read_table(tmp_path / "retrain/train.parquet").to_pylist()
+    held = pq.read_table(tmp_path / "retrain/heldout.parquet").to_pylist()
+    texts_in = lambda rows: [r["messages"][0]["content"] for r in rows]  # noqa: E731
+    assert not set(texts_in(train)) & set(texts_in(held))
+    assert sorted(texts_in(train) + texts_in(held)) == sorted(set(texts))  # each prompt once, repeats dropped
+    assert all(held_out(r["messages"], 0.2) for r in held) and not any(held_out(r["messages"], 0.2) for r in train)
+    assert 0.05 < len(held) / len(texts) < 0.4
+    assert set(pq.read_schema(tmp_path / "retrain/train.parquet").names) == {"id", "source", "messages",
+                                                                            "num_user_turns"}
+    few = run_stage(tmp_path, "traffic_split", {"days": [a], "out_dir": "retrain2", "min_prompts": 100})
+    assert few.returncode != 0 and "too little new traffic" in few.stderr and "nothing is retrained" in few.stderr
+    assert not (tmp_path / "retrain2").exists()
+
+
+def test_a_finetune_mixes_in_the_share_of_old_samples_it_is_told(built):
+    shards = sorted((built.workdir / "hidden_states").glob("shard-*"))
+    new, old = ShardSet([shards[0]], 576), ShardSet([shards[1]], 576)
+    mixed = ShardSet([shards[0]], 576, mix_dirs=[shards[1]], mix_share=0.5, seed=3)
+    n, m = len(new.refs), len(old.refs)
+    assert mixed.mix["new_samples"] == n and mixed.mix["old_samples"] == min(n, m)
+    assert mixed.refs[:n] == new.refs and set(mixed.refs[n:]) <= set(old.refs)
+    again = ShardSet([shards[0]], 576, mix_dirs=[shards[1]], mix_share=0.5, seed=3)
+    assert again.refs == mixed.refs and again.identity == mixed.identity
+    none = ShardSet([shards[0]], 576, mix_dirs=[shards[1]], mix_share=0.0)
+    assert none.refs == new.refs and none.identity != mixed.identity  # another training set, another fingerprint
+
+
+def _figures(champ_traffic, chall_traffic, champ_eval, chall_eval, speedups=(1.1, 1.3)):
+    return {"champion": {"traffic": {"acceptance_length": champ_traffic, "speedup": speedups[0]},
+                         "eval": {"acceptance_length": champ_eval}},
+            "challenger": {"traffic": {"acceptance_length": chall_traffic, "speedup": speedups[1]},
+                           "eval": {"acceptance_length": chall_eval}}}
+
+
+def test_the_gate_wants_a_margin_on_the_traffic_and_a_tolerance_on_the_eval_set():
+    ok = verdict(_figures(1.40, 1.60, 1.90, 1.88), margin=0.02, tolerance=0.03)
+    assert ok[BEATS][0] and ok[HOLDS][0]
+    close = verdict(_figures(1.40, 1.42, 1.90, 1.90), margin=0.02, tolerance=0.03)
+    assert not close[BEATS][0] and "must be >= +2%" in close[BEATS][1]
+    slower = verdict(_figures(1.40, 1.60, 1.90, 1.90, speedups=(1.2, 1.1)), margin=0.02, tolerance=0.03)
+    assert not slower[BEATS][0] and "speedup 1.100 vs the champion's 1.200" in slower[BEATS][1]
+    forgot = verdict(_figures(1.40, 1.70, 1.90, 1.70), margin=0.02, tolerance=0.03)
+    assert forgot[BEATS][0] and not forgot[HOLDS][0]
+
+
+@pytest.fixture(scope="module")
+def two_exports(built):
+    """Two exported drafters of the shared graph: two checkpoints to put in production and take back."""
+    out = []
+    for name, lr in (("prod-a", 3e-3), ("prod-b", 1e-3)):
+        built.materialize("eagle3_drafter", "drafter_export",
+                          config={"eagle3_drafter": {"config": {**TINY_TRAIN, "run_name": name, "lr": lr}}})
+        out.append(built.data_version("eagle3_drafter"))
+    return built, out
+
+
+def test_promote_and_rollback_from_the_cli_are_recorded_with_what_they_replaced(two_exports, monkeypatch, capsys):
+    built, (a, b) = two_exports
+    monkeypatch.setenv("DAGSTER_HOME", built.instance.root_directory)
+    assert cli.main(["rollback"]) == 2 and "nothing is in production" in capsys.readouterr().err
+    assert cli.main(["promote", "--version", a[:10], "--why", "first"]) == 0
+    assert cli.main(["promote"]) == 0  # the newest export: b
+    now = production.current(built.instance, "vllm")
+    assert now["version"] == b and now["replaced"] == a and now["decision"] == "promoted by hand"
+    assert cli.main(["rollback", "--why", "b misbehaves"]) == 0
+    now = production.current(built.instance, "vllm")
+    assert (now["version"], now["replaced"], now["decision"], now["why"]) == (a, b, "rolled back", "b misbehaves")
+    export = production.export_of(built.instance, a)
+    assert now["export_path"] == export["vllm_path"] and now["trained_path"] == export["source"]
+    capsys.readouterr()
+    assert cli.main(["production"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("now") and "rolled back" in lines[0] and len(lines) == 3
+    assert cli.main(["promote", "--version", "deadbeef00"]) == 2
+    assert "no drafter_export of checkpoint deadbeef00" in capsys.readouterr().err
+
+
+def test_the_production_asset_takes_the_same_decisions_from_the_ui(two_exports):
+    built, (a, b) = two_exports
+    for version in (a, b):
+        built.materialize("production_drafter", partition="vllm", config={"production_drafter": {"config": {
+            "action": "promote", "version": version}}})
+        assert production.current(built.instance, "vllm")["version"] == version
+    built.materialize("production_drafter", partition="vllm", config={"production_drafter": {"config": {
+        "action": "rollback", "version": a}}})
+    now = production.current(built.instance, "vllm")
+    assert now["version"] == a and now["decision"] == "rolled back" and now["replaced"] == b
+    refused = built.materialize("production_drafter", partition="vllm", raise_on_error=False,
+                                config={"production_drafter": {"config": {"action": "gate"}}})
+    assert not refused.success  # no gate has passed: nothing to promote
+    assert production.current(built.instance, "vllm")["version"] == a
+    assert json.dumps(production.history(built.instance, "vllm"), default=str).count("rolled back") >= 1
+
+
+def test_drift_starts_one_retraining_per_engine_and_refuses_a_second_while_one_runs():
+    import dagster as dg
+
+    from eagle3_assets import loop
+    from eagle3_assets.servers_file import ServersFile
+
+    def drift(server: str) -> None:
+        instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={"server": server}))
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "a", "url": "http://127.0.0.1:1", "engine": "vllm"},
+                                                     {"name": "b", "url": "http://127.0.0.1:2", "engine": "vllm"}]})
+    sensor = loop.build(parsed)
+    with dg.instance_for_test() as instance:
+        drift("a")
+        drift("b")  # two drift reports at once for one engine: one retraining
+        got = sensor(dg.build_sensor_context(instance=instance))
+        assert [(r.partition_key, r.tags[loop.RETRAIN_TAG]) for r in got.run_requests] == [("vllm", "vllm")]
+        instance.add_run(dg.DagsterRun(job_name="retrain_on_traffic", run_id="r1", tags={loop.RETRAIN_TAG: "vllm"},
+                                       status=dg.DagsterRunStatus.STARTED))
+        drift("a")  # while it runs: refused, and said
+        again = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor))
+        assert not again.run_requests and "queued or running" in again.skip_reason.skip_message
+
+
+def test_a_control_plane_killed_mid_promotion_leaves_the_record_whole(two_exports):
+    """`eagle3-assets promote` killed (SIGKILL, its own process group) at points through its run: each decision in
+    the record is whole or absent, and production is the drafter before or the one promoted, never a mix."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    built, (a, b) = two_exports
+    env = {**os.environ, "DAGSTER_HOME": built.instance.root_directory}
+    argv = [sys.executable, "-m", "eagle3_assets.cli", "promote", "--version", a[:10], "--why", "killed"]
+    for delay in (1.0, 2.0, 3.0, 4.0, 5.0):
+        before = production.current(built.instance, "vllm")
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        now = production.current(built.instance, "vllm")
+        assert now in (before,) or (now["version"] == a and now["why"] == "killed")
+        for h in production.history(built.instance, "vllm"):
+            assert h["version"] and h["export_path"] and h["decision"] and h["replaced"], h
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert production.current(built.instance, "vllm")["version"] == a
