@@ -234,9 +234,9 @@ def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_roll
     beside its server that reads its drafters from its own copy of the exports: the drafter in production (promoted
     by hand) serves; the traffic moves to other languages; drift starts a retraining (retrain_on_drift_sensor,
     turned on as a team would), whose challenger wins the gate and is rolled out: prod-a serves it, and its live
-    acceptance on prompts of the new kind that never entered the traffic rises; the canary, where nobody copied the new export, fails its
-    health check and is rolled back, stopping the rollout there. A challenger made worse on purpose (a learning
-    rate 200 times the retraining's) is then refused by the gate."""
+    acceptance on prompts of the new kind that never entered the traffic rises; the canary, where nobody copied the
+    new export, fails its health check and is rolled back, stopping the rollout there. A challenger made worse on
+    purpose (a learning rate 200 times the retraining's) is then refused by the gate."""
     p = production
     work = p.root / "story"
     target, champion = p.graph.latest("target_model")["path"], p.drafter
