@@ -46,7 +46,8 @@ def told_drafter(server: Server) -> str | None:
 def restart(server: Server, drafter: str, log: Callable[[str], None], timeout_s: float = 600) -> str | None:
     """Restart the server with `drafter` and wait for it: None when it is up and serving it, else why not."""
     argv = command(server, drafter)
-    log(f"{server.name}: {' '.join(argv)}")
+    # the program only: a team's restart command may carry a token (kubectl --token=...), and logs are widely read
+    log(f"{server.name}: restarting with {drafter} ({argv[0] if argv else 'no command'} ...)")
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
