@@ -219,10 +219,11 @@ def write_lineage(d: Path, built: dict, commit: str | None = None) -> None:
     tmp.replace(d / "lineage.json")
 
 
-def serve(w: Path, drafter: Path, name: str, offline: bool, baseline: bool = False) -> dict:
-    """A drafter (the main command's finetune, say) in vLLM on the recipe study's 54 test prompts (k=3, greedy,
-    128 new tokens, concurrency 1) and, with `offline`, our offline speculation on them: one row in
-    bench/results/base_drafter.jsonl, with the CPU and its load (this machine is shared)."""
+def serve(w: Path, drafter: Path, name: str, offline: bool, baseline: bool = False, k: int = 3) -> dict:
+    """A drafter (the main command's finetune, say) in vLLM on the recipe study's 54 test prompts (k drafted,
+    greedy, 128 new tokens, concurrency 1, the stage's dtype choice: bf16 on a CPU with bf16 instructions, else
+    float32) and, with `offline`, our offline speculation on them: one row in bench/results/base_drafter.jsonl,
+    with the CPU and its load (this machine is shared)."""
     import os as _os
 
     import pyarrow.parquet as pq
@@ -237,23 +238,24 @@ def serve(w: Path, drafter: Path, name: str, offline: bool, baseline: bool = Fal
     _, exp = stage(w, "export", {"drafter": str(drafter), "target": target, "out": f"exports/{name}",
                                  "dialects": ["vllm"]})
     common = {"target": target, "prompts": "prompts/test.parquet", "limit": None, "max_new_tokens": 128,
-              "num_speculative_tokens": 3}
+              "num_speculative_tokens": k}
     meta, res = stage(w, "serve_bench", {**common, "engine": "vllm", "drafter": exp["vllm_path"],
                                          "out_dir": f"serving/{name}", "history": "serving/history.parquet",
-                                         "concurrencies": [1], "baseline": baseline, "dtype": "bfloat16",
+                                         "concurrencies": [1], "baseline": baseline, "dtype": "auto",
                                          "max_model_len": 2048, "prompt_set": "test", "checkpoint": name,
                                          "extra_args": ["--enforce-eager"]})
     info = cpu_info()
     row = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": "serve", "drafter": name, "prompts": meta.get("requests"),
            "vllm_acceptance_length": meta["acceptance_length"], "vllm_per_position": meta["acceptance_per_pos"],
-           "serve_wall_s": res["_wall_s"], "cpu": info["cpu"], "cpu_isa": info["cpu_isa"],
+           "serve_wall_s": res["_wall_s"], "cpu": info["cpu"], "cpu_isa": info["cpu_isa"], "dtype": meta.get("dtype"),
+           "emulated_isa": os.environ.get("ATEN_CPU_CAPABILITY"), "num_speculative_tokens": k,
            **({"speedup_c1": meta.get("speedup_c1"), **{k: v for k, v in meta.items() if "tokens_per_s" in k}}
               if baseline else {}),
            "load_before": load, "load_after": [round(x, 2) for x in _os.getloadavg()]}
     if offline:
         off, _ = stage(w, "speculate", {**common, "drafter": str(drafter), "dtype": "float32"})
         row.update(offline_acceptance_length=off["acceptance_length"],
-                   offline_per_position=[off[f"acceptance_at_pos_{i}"] for i in range(3)])
+                   offline_per_position=[off[f"acceptance_at_pos_{i}"] for i in range(k)])
     with (ROOT / "bench" / "results" / "base_drafter.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
@@ -271,6 +273,7 @@ def main() -> None:
     ap.add_argument("--name", default="base", help="serve: the row's name")
     ap.add_argument("--baseline", action="store_true", help="serve: also the target alone (the speedup at c=1)")
     ap.add_argument("--offline", action="store_true", help="serve: also our offline speculation (float32, slow on a CPU)")
+    ap.add_argument("--k", type=int, default=3, help="serve: tokens drafted per step (bench/spec_k_cpu.py measures it)")
     ap.add_argument("--commit", help="the repository commit the build ran at (recorded in build.json and lineage)")
     a = ap.parse_args()
     w = Path(a.workdir).resolve()
@@ -283,7 +286,7 @@ def main() -> None:
         build(w, a.batch_size, a.stop_after)
     elif a.command == "serve":
         serve(w, Path(a.drafter).resolve() if a.drafter else ROOT / "eagle3_assets" / "base_drafters" / NAME, a.name,
-              a.offline, a.baseline)
+              a.offline, a.baseline, a.k)
     elif a.command == "ship":
         ship(w, Path(a.out).resolve(), a.commit)
     else:  # lineage.json of a shipped directory again, from a build.json (a device's, copied back)
