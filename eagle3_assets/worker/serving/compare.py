@@ -70,31 +70,33 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
     reporter.log(why)
     figures: dict[str, dict] = {}
     t0 = time.monotonic()
+
+    def warm(srv: EngineServer) -> None:
+        if engine.WARM_UP:
+            load.drive(srv.base_url, "target", next(iter(sets.values()))[:1], 4, 1)
+
     with ExitStack() as running:
-        started = {}
         if together:
+            started: dict[str, EngineServer] = {}
             t_start = time.monotonic()
             for label in labels:
                 started[label] = running.enter_context(server(label, [s.port for s in started.values()]))
             for srv in started.values():
                 srv.wait_ready(float(args.ready_timeout_s), reporter, since=t_start)
-        for srv in started.values():
-            if engine.WARM_UP:
-                load.drive(srv.base_url, "target", next(iter(sets.values()))[:1], 4, 1)
-        if together:
+                warm(srv)
             reporter.log(f"measuring the {len(labels)} servers in turn, {ROUND} requests each at a time")
             for name, requests in sets.items():
                 for label, got in _in_turn(engine, started, requests, c, max_new, k, reporter).items():
                     _keep(figures, label, name, got, reporter)
-        for label in [] if together else labels:
-            srv = running.enter_context(server(label, []))
-            srv.wait_ready(float(args.ready_timeout_s), reporter)
-            if engine.WARM_UP:
-                load.drive(srv.base_url, "target", next(iter(sets.values()))[:1], 4, 1)
-            for name, requests in sets.items():
-                got, _ = measure(engine, srv, requests, c, max_new, k, reporter, label != BASELINE)
-                _keep(figures, label, name, got, reporter)
-            srv.stop()
+        else:
+            for label in labels:
+                srv = running.enter_context(server(label, []))
+                srv.wait_ready(float(args.ready_timeout_s), reporter)
+                warm(srv)
+                for name, requests in sets.items():
+                    got, _ = measure(engine, srv, requests, c, max_new, k, reporter, label != BASELINE)
+                    _keep(figures, label, name, got, reporter)
+                srv.stop()
     if args.baseline:
         for label in drafters:
             for name in sets:
