@@ -191,7 +191,7 @@ def record(row: dict) -> None:
 
 
 def splits() -> dict[str, list]:
-    from eagle3_assets.prompt_sources import SINGLE_TURN, LoadStats, load_source, split
+    from eagle3_assets.sources.prompt_files import SINGLE_TURN, LoadStats, load_source, split
 
     convs = list(load_source(SINGLE_TURN, max_user_turns=8, max_message_chars=8000, on_bad_record="fail",
                              stats=LoadStats()))

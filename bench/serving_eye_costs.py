@@ -51,8 +51,8 @@ def main() -> int:
     os.environ.update(DAGSTER_HOME=args.home, EAGLE3_SERVERS=args.servers)
     import dagster as dg
 
-    from eagle3_assets import drift, live_acceptance, served
-    from eagle3_assets.servers_file import load_servers
+    from eagle3_assets.eye import drift, live_acceptance, served
+    from eagle3_assets.eye.servers_file import load_servers
     from eagle3_assets.worker.engines import vllm
     from eagle3_assets.worker.engines.server import EngineServer, free_port
 

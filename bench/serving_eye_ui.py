@@ -38,7 +38,7 @@ def series(home: str, server: str) -> list[dict]:
     os.environ["DAGSTER_HOME"] = home
     import dagster as dg
 
-    from eagle3_assets import served
+    from eagle3_assets.eye import served
 
     with dg.DagsterInstance.get() as instance:
         return [{k: o.get(k) for k in ("t", "status", "acceptance_length", "num_drafts", "benchmark_acceptance_length")}

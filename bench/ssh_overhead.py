@@ -23,7 +23,7 @@ import dagster as dg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from eagle3_assets.assets import all_assets  # noqa: E402
+from eagle3_assets.definitions import all_assets  # noqa: E402
 from eagle3_assets.hosts import LocalGpuHost, SshGpuHost  # noqa: E402
 from ssh_server import SshServer  # noqa: E402
 

@@ -12,7 +12,8 @@ import dagster as dg
 import yaml
 
 from . import lineage
-from .assets.serving import CONSISTENCY, SPEEDUP, engine_partitions
+from .assets.partitions import engine_partitions
+from .assets.serving import CONSISTENCY, SPEEDUP
 from .common.engines import DEFAULT
 
 # A drop beyond these fractions of the previous result (same engine, same settings) is a regression.

@@ -144,7 +144,7 @@ def show_lineage(args) -> int:
     per production server the drafter it serves, that drafter's benchmarks, live figures and drift reports."""
     instance = _instance()
     if args.served:
-        from .served_lineage import show_served
+        from .eye.served_lineage import show_served
 
         return show_served(instance, args.engine)
     from . import lineage
@@ -184,7 +184,7 @@ def decide(args) -> int:
     """`promote` / `rollback`: a production decision by hand, recorded as production_drafter's materialization (one
     transaction of the event log); with --rollout, the rollout job then puts it on the servers."""
     instance = _instance()
-    from . import production
+    from .loop import production
 
     before = production.current(instance, args.engine)
     try:
@@ -213,7 +213,7 @@ def decide(args) -> int:
 
 def show_production(args) -> int:
     instance = _instance()
-    from . import production
+    from .loop import production
 
     past = production.history(instance, args.engine)
     if not past:

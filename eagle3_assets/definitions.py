@@ -7,20 +7,17 @@ from pathlib import Path
 
 import dagster as dg
 
-from .assets import all_assets
-from .assets.drift_report import make_drift_report
-from .assets.partitions import shard_partitions
-from .assets.serving import engine_partitions
+from . import eye, loop
+from .assets import pipeline_assets
+from .assets.partitions import engine_partitions, shard_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
-from .drift import build as build_drift
-from .drift import check_traffic_job, drift_report_job
+from .eye.servers_file import SERVERS_ENV, load_servers
 from .failover import build_failover_sensor, extract_on_host_job
 from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
-from .live_acceptance import build as build_live_acceptance
-from .loop import build as build_loop
-from .loop import retrain_on_traffic_job, rollout_job
-from .servers_file import SERVERS_ENV, load_servers
+
+# The whole graph as it stands with no production servers watched (tests and benches materialize from it)
+all_assets = [*pipeline_assets, *eye.ASSETS, *loop.ASSETS]
 
 PREPARE_DATA = ["target_model", "prompts", "synthetic_prompts", "conversations", "vocab_mapping"]
 TRAIN_DRAFTER = ["eagle3_drafter", "drafter_export", "offline_acceptance"]
@@ -106,21 +103,21 @@ benchmark_serving_job = dg.define_asset_job(
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
-# The serving eye (EAGLE3_SERVERS): an asset per production server, the sensor reading them, the live drift sensor
-# and its check; the traffic drift sensor and the drift report, whose graph edges come from the servers' assets.
+# The pipeline here; the serving eye (EAGLE3_SERVERS: an asset per production server, its sensors and checks) and
+# the loop each bring their own definitions, merged.
 servers = load_servers(os.environ[SERVERS_ENV]) if os.environ.get(SERVERS_ENV) else None
-live_specs, live_sensors = build_live_acceptance(servers)
-drift_sensors, drift_checks = build_drift(servers)
-assets = [a for a in all_assets if a.key != dg.AssetKey("drift_report")] + [make_drift_report([s.key for s in live_specs])]
 
-defs = dg.Definitions(
-    assets=[*assets, *live_specs],
-    asset_checks=drift_checks,
-    jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
-          train_drafter_job, benchmark_serving_job, rebenchmark_job, regression_report_job, check_traffic_job,
-          drift_report_job, retrain_on_traffic_job, rollout_job],
-    schedules=[nightly_rebenchmark],
-    sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job]), *live_sensors,
-             *drift_sensors, build_loop(servers)],
-    resources={"gpu_host": gpu_host},
-)
+
+def pipeline_definitions() -> dg.Definitions:
+    """The pipeline's own part (a function: a code location has one Definitions object at module scope)."""
+    return dg.Definitions(
+        assets=pipeline_assets,
+        jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
+              train_drafter_job, benchmark_serving_job, rebenchmark_job, regression_report_job],
+        schedules=[nightly_rebenchmark],
+        sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job])],
+        resources={"gpu_host": gpu_host},
+    )
+
+
+defs = dg.Definitions.merge(pipeline_definitions(), eye.definitions(servers), loop.definitions(servers))

@@ -15,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.assets import all_assets
+from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import GpuHost
 from in_process_host import InProcessGpuHost
 

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import TINY
 from daemon_harness import start_daemon, stop_daemon
-from eagle3_assets.assets import all_assets
+from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import HOST_TAG, HostPool
 
 ROOT = Path(__file__).resolve().parents[1]

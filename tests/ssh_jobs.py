@@ -3,8 +3,8 @@
 
 import dagster as dg
 
-from eagle3_assets.assets import all_assets
 from eagle3_assets.assets.partitions import shard_partitions
+from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import SshGpuHost
 
 

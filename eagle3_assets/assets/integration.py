@@ -23,9 +23,9 @@ from ..common.launch import launch_facts
 from ..hosts import GpuHost
 from ..stages.integration_data import IntegrationDataSettings
 from ..stages.serve_bench import ServeBenchSettings
-from .partitions import shard_partitions
+from .partitions import engine_partitions, shard_partitions
 from .paths import CONVERSATIONS, SHARDS_DIR, VOCAB
-from .serving import diagnosis, engine_partitions
+from .serving import diagnosis
 from .upstream import upstream_metadata
 
 GATE_DIR = "integration"

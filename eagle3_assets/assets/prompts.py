@@ -11,18 +11,13 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from ..code_versions import code_version
+from ..common.prompts_table import PROMPTS_SCHEMA
 from ..hosts import GpuHost
-from ..prompt_sources import BUNDLED, LoadStats, PromptError, humaneval, load_source, split
+from ..sources.prompt_files import BUNDLED, LoadStats, PromptError, humaneval, load_source, split
 from .paths import EVAL, EVAL_HUMANEVAL, TRAIN
 
 # Prompt sets acceptance is measured on; `train` is a sanity check (a drafter must do well on its own data).
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("num_user_turns", pa.int32()),
-])
 
 
 class PromptsConfig(dg.Config):
@@ -40,7 +35,7 @@ class PromptsConfig(dg.Config):
 def prompts_table(convs) -> pa.Table:
     return pa.Table.from_pylist(
         [{"id": c.id, "source": c.source, "messages": c.messages,
-          "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs], schema=SCHEMA)
+          "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs], schema=PROMPTS_SCHEMA)
 
 
 @dg.asset(group_name="data", kinds={"parquet"}, code_version=code_version(__name__, "prompts"))

@@ -8,10 +8,10 @@ from ..common import charts
 from ..common.engines import NAMES
 from ..hosts import GpuHost
 from ..stages.serve_bench import ServeBenchSettings
+from .partitions import engine_partitions
 from .paths import PROMPT_SETS
 from .upstream import upstream_metadata
 
-engine_partitions = dg.StaticPartitionsDefinition(list(NAMES))  # one per module of worker/engines/
 HISTORY = "benchmarks/serving_history.parquet"
 CONSISTENCY = "acceptance_matches_offline"
 SPEEDUP = "speedup_above_1"

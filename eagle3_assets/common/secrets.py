@@ -79,7 +79,7 @@ def scrub(text: str) -> str:
 
 def secret_spans(text: str) -> list[tuple[str, int, int]]:
     """(kind, start, end) of each secret-looking part of `text`, kinds in `secret_kind`'s words; spans of two kinds
-    may overlap. For a redactor that counts what it removed (eagle3_assets/redact.py)."""
+    may overlap. For a redactor that counts what it removed (eagle3_assets/sources/redact.py)."""
     spans = [(kind, m.start(), m.end()) for kind, pattern in _KINDS for m in pattern.finditer(text)]
     return spans + [("a long random token", m.start(), m.end()) for m in _TOKEN_RUN.finditer(text)
                     if _random_token(m.group())]

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle3_assets.prompt_sources import SINGLE_TURN, LoadStats, load_source
+from eagle3_assets.sources.prompt_files import SINGLE_TURN, LoadStats, load_source
 
 OTHER_LANGUAGES = [
     "Pourquoi le ciel est-il bleu pendant la journée et rouge le soir ?",

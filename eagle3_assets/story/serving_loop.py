@@ -26,8 +26,9 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from .. import production, served
 from ..common.ports import free_port
+from ..eye import served
+from ..loop import production
 from .daemon import start_daemon, stop_daemon
 from .gateway import OTHER_LANGUAGES, Gateway, other_language_prompts
 

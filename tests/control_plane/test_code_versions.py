@@ -12,7 +12,8 @@ from dagster._utils.test.data_versions import get_stale_status_resolver
 
 from eagle3_assets import cli, lineage
 from eagle3_assets import code_versions as cv
-from eagle3_assets.assets import all_assets, benchmark_regression, prompts
+from eagle3_assets.assets import benchmark_regression, prompts
+from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import LocalGpuHost
 
 DRAFTER = ("eagle3_assets.assets.drafter", "eagle3_drafter")    # the train stage
@@ -105,7 +106,7 @@ def _benchmark(instance: dg.DagsterInstance, prompts_storage_id: int) -> int:
 
 def test_a_code_change_makes_the_asset_stale_and_is_named_in_the_lineage(tmp_path, monkeypatch, capsys):
     # `prompts` as the definitions would load it after an edit to the module it reads its sources with
-    edited = cv.code_version(*PROMPTS, root=_copy(tmp_path, "edited", "prompt_sources.py"))
+    edited = cv.code_version(*PROMPTS, root=_copy(tmp_path, "edited", "sources/prompt_files.py"))
     assert edited != cv.code_version(*PROMPTS)
     changed = prompts.map_asset_specs(lambda spec: spec.replace_attributes(code_version=edited))
     small = {"ops": {"prompts": {"config": {"max_train_conversations": 6}}}}

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import failure_text
-from eagle3_assets.prompt_sources import LoadStats, PromptError, is_eval, load_source
+from eagle3_assets.sources.prompt_files import LoadStats, PromptError, is_eval, load_source
 
 
 def _load(src, **kw):
@@ -61,7 +61,7 @@ def test_bundled_set_is_varied_and_clean():
 
 
 def test_single_turn_set_gives_the_recipe_400_training_prompts_and_a_disjoint_held_out_split():
-    from eagle3_assets.prompt_sources import split
+    from eagle3_assets.sources.prompt_files import split
 
     convs, stats = _load("single-turn")
     assert len(convs) == 560 and stats.empty_turns_dropped == 0
@@ -88,7 +88,7 @@ def test_split_is_stable_when_prompts_are_added():
 
 
 def test_capped_training_split_is_stable_when_prompts_are_added():
-    from eagle3_assets.prompt_sources import cap
+    from eagle3_assets.sources.prompt_files import cap
 
     convs, _ = _load("bundled")
     before = {c.key for c in cap(convs[:150], 40)}

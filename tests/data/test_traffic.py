@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import failure_text
-from eagle3_assets.assets import all_assets
+from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import LocalGpuHost
-from eagle3_assets.redact import KINDS, Redactor
-from eagle3_assets.traffic_sources import TrafficError, TrafficStats, read_day, redacted_rows
+from eagle3_assets.sources.gateway_logs import TrafficError, TrafficStats, read_day, redacted_rows
+from eagle3_assets.sources.redact import KINDS, Redactor
 
 DAY = "2026-12-02"
 UTC_DAY = dg.DailyPartitionsDefinition(start_date="2026-01-01").time_window_for_partition_key(DAY)

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TINY_TRAIN
-from eagle3_assets import served
-from eagle3_assets.assets.drift_report import where
-from eagle3_assets.drift import judge
-from eagle3_assets.servers_file import DriftSettings, Server, asset_key, load_servers
+from eagle3_assets.eye import served
+from eagle3_assets.eye.drift import judge
+from eagle3_assets.eye.drift_report import where
+from eagle3_assets.eye.servers_file import DriftSettings, Server, asset_key, load_servers
 from eagle3_assets.story.gateway import OTHER_LANGUAGES
 from eagle3_assets.worker.data.prompt_groups import kind
 from eagle3_assets.worker.serving.traffic_replay import groups
@@ -39,7 +39,7 @@ def test_a_prompts_kind_is_read_off_its_text(text, expected):
 
 
 def test_the_shipped_chat_prompts_are_english_and_the_gateways_new_kind_is_not():
-    from eagle3_assets.prompt_sources import SINGLE_TURN, LoadStats, load_source
+    from eagle3_assets.sources.prompt_files import SINGLE_TURN, LoadStats, load_source
 
     convs = list(load_source(SINGLE_TURN, max_user_turns=8, max_message_chars=8000, on_bad_record="fail",
                              stats=LoadStats()))

@@ -428,7 +428,7 @@ try:
     raise AssertionError("an unknown engine was accepted")
 except stages.ArgsError as e:
     assert "'fake'" in str(e), e
-from eagle3_assets.assets.serving import engine_partitions
+from eagle3_assets.assets.partitions import engine_partitions
 assert engine_partitions.get_partition_keys() == ["vllm", "fake", "sglang"]
 from eagle3_assets.worker.data import backends
 from eagle3_assets.worker.serving import export

@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TINY_TRAIN, run_stage
-from eagle3_assets import cli, production
-from eagle3_assets.assets.promotion import BEATS, HOLDS, verdict
+from eagle3_assets import cli
+from eagle3_assets.loop import production
+from eagle3_assets.loop.promotion import BEATS, HOLDS, verdict
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, chat_prompts
 from eagle3_assets.worker.data.traffic_split import held_out
 from eagle3_assets.worker.training.data import ShardSet
@@ -127,8 +128,8 @@ def test_the_production_asset_takes_the_same_decisions_from_the_ui(two_exports):
 def test_drift_starts_one_retraining_per_engine_and_refuses_a_second_while_one_runs():
     import dagster as dg
 
-    from eagle3_assets import loop
-    from eagle3_assets.servers_file import ServersFile
+    from eagle3_assets.eye.servers_file import ServersFile
+    from eagle3_assets.loop import on_drift as loop
 
     def drift(server: str) -> None:
         instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={"server": server}))

@@ -20,11 +20,11 @@ import yaml
 
 from conftest import Graph
 from daemon_harness import ROOT, start_daemon, stop_daemon
-from eagle3_assets import production as record
 from eagle3_assets.common import spec_counters
-from eagle3_assets.drift import DRIFT_TAG, LIVE_CHECK
-from eagle3_assets.live_acceptance import asset_key
-from eagle3_assets.redact import KINDS
+from eagle3_assets.eye.drift import DRIFT_TAG, LIVE_CHECK
+from eagle3_assets.eye.live_acceptance import asset_key
+from eagle3_assets.loop import production as record
+from eagle3_assets.sources.redact import KINDS
 from eagle3_assets.story import serving_loop
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, Gateway, chat_prompts
 from eagle3_assets.worker.engines import vllm

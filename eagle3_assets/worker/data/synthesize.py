@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...common.prompts_table import PROMPTS_SCHEMA
 from ..errors import StageError
 from ..files import atomic_file, hash_files, require_file, resolve, sha256_file, write_json
 from ..target.chat import render
@@ -40,12 +41,6 @@ from .dedup import NearDuplicates
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.synthesize import SynthesizeArgs
 
-SCHEMA = pa.schema([  # the prompts asset's
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("num_user_turns", pa.int32()),
-])
 SOURCE = "synthetic"
 OPENING_TOKENS = 32  # a seeded opening's most tokens
 _MARK = "\x00user-text\x00"
@@ -177,7 +172,7 @@ class _Tokens:
 
 def _write(out: Path, rows: list[dict]) -> str:
     with atomic_file(out, fsync=True) as tmp:  # what is published: whole on disk before it has its name
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+        pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA), tmp)
     return sha256_file(out)[:32]
 
 

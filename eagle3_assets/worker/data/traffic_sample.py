@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...common.prompts_table import PROMPTS_SCHEMA
 from ..files import atomic_file, require_file, resolve
 from .dedup import NearDuplicates
 from .prompt_groups import keys, user_text
@@ -23,12 +24,8 @@ from .prompt_groups import keys, user_text
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.traffic_sample import TrafficSampleArgs
 
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-SCHEMA = pa.schema([  # the prompts asset's four columns first: conversations reads a partition as prompts
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("messages", MESSAGES),
-    ("num_user_turns", pa.int32()),
+# the prompts table's four columns first: conversations reads a partition as prompts
+SCHEMA = pa.schema([*PROMPTS_SCHEMA,
     ("timestamp", pa.float64()),  # epoch seconds; null when the request had none (placed by its file's date)
     ("user_chars", pa.int32()),
     ("length_bucket", pa.string()),

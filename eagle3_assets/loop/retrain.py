@@ -11,19 +11,19 @@ drafter/<run_name>."""
 import dagster as dg
 from pydantic import Field
 
-from .. import production
+from ..assets.partitions import shard_partitions
+from ..assets.paths import DRAFTER_DIR, EXPORT_DIR, SHARDS_DIR
+from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
 from ..common.engines import DEFAULT, NAMES
+from ..eye.traffic import TRAFFIC_DIR
 from ..hosts import GpuHost
 from ..stages.export import ExportSettings
 from ..stages.extract import ExtractSettings
 from ..stages.generate import GenerateSettings
 from ..stages.traffic_split import TrafficSplitSettings
 from ..stages.train import TrainSettings
-from .partitions import shard_partitions
-from .paths import DRAFTER_DIR, EXPORT_DIR, SHARDS_DIR
-from .traffic import TRAFFIC_DIR
-from .upstream import upstream_metadata
+from . import production
 
 RETRAIN_DIR = "retrain"
 CONVERSATIONS = f"{RETRAIN_DIR}/conversations.parquet"

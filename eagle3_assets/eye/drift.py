@@ -19,8 +19,8 @@ import time
 import dagster as dg
 
 from . import served
-from .assets.traffic import LOGS_ENV, traffic_partitions
 from .servers_file import DriftSettings, Server, ServersFile, asset_key
+from .traffic import LOGS_ENV, traffic_partitions
 
 LIVE_CHECK = "live_acceptance_holds"
 DRIFT_TAG = "eagle3/drift"  # on every run a drift sensor starts: what it is about (a server, or a traffic day)

@@ -120,13 +120,13 @@ def _json_records(source: str, data) -> Iterator[tuple[str, object]]:
     if isinstance(data, dict):
         data = data["data"] if isinstance(data.get("data"), list) else [data]
     if not isinstance(data, list):
-        raise PromptError(f"{source}: the file's JSON is {_kind(data)}, not prompt records: expected a list of "
+        raise PromptError(f"{source}: the file's JSON is {json_kind(data)}, not prompt records: expected a list of "
                           "records or an object with a list under 'data' (ShareGPT: [{\"conversations\": [...]}, ...])")
     for i, rec in enumerate(data):
         yield f"{source}, record {i}", rec
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
     """A value's type in JSON's words, for errors read by whoever wrote the file."""
     if value is None:
         return "null"
@@ -170,7 +170,7 @@ def to_messages(rec, place: str) -> list[dict]:
     """ShareGPT {conversations:[{from,value}]}, UltraChat/OpenAI {messages:[{role,content}]}, UltraChat raw
     {data:[user, assistant, ...]}, or {prompt}."""
     if not isinstance(rec, dict):
-        raise PromptError(f"{place}: the record is {_kind(rec)}, not an object: expected a JSON object with "
+        raise PromptError(f"{place}: the record is {json_kind(rec)}, not an object: expected a JSON object with "
                           f"{FORMATS}; fix that record, or set on_bad_record='skip'")
     if isinstance(rec.get("conversations"), list):
         turns = _turns(rec, "conversations", place)
@@ -204,7 +204,7 @@ def _turns(rec: dict, key: str, place: str) -> list[dict]:
     turn, fields = TURN_SHAPES[key]
     for i, t in enumerate(rec[key]):
         if not isinstance(t, dict):
-            raise PromptError(f"{place}: {key}[{i}] is {_kind(t)}, not an object: each {turn} must be an "
+            raise PromptError(f"{place}: {key}[{i}] is {json_kind(t)}, not an object: each {turn} must be an "
                               f"object with {fields}; fix that record, or set on_bad_record='skip'")
     return rec[key]
 
@@ -213,7 +213,7 @@ def _unrecognized(rec: dict, place: str) -> str:
     """A known key holding the wrong type ({"messages": "hi"}) is named as such, not as an unknown record."""
     for key, want in WANTED.items():
         if rec.get(key) is not None:
-            return (f"{place}: {key!r} is {_kind(rec[key])}: expected {want}; fix that record, or set "
+            return (f"{place}: {key!r} is {json_kind(rec[key])}: expected {want}; fix that record, or set "
                     "on_bad_record='skip'")
     return f"{place}: unrecognized record with keys {sorted(rec)[:8]}: expected {FORMATS}"
 
@@ -228,7 +228,7 @@ def _text(content, place: str, role: str) -> str:
     if isinstance(content, dict):
         content = [content]
     if not isinstance(content, list):  # a number is no text the writer meant; str() would invent one
-        raise PromptError(f"{place}: a {role} turn's content is {_kind(content)}: expected a string or a list of "
+        raise PromptError(f"{place}: a {role} turn's content is {json_kind(content)}: expected a string or a list of "
                           "text parts; fix that record, or set on_bad_record='skip'")
     return "\n".join(_part_text(part, place, role) for part in content)
 
@@ -237,7 +237,7 @@ def _part_text(part, place: str, role: str) -> str:
     if isinstance(part, str):
         return part
     if not isinstance(part, dict):
-        raise PromptError(f"{place}: a {role} turn holds a content part that is {_kind(part)}: expected a string "
+        raise PromptError(f"{place}: a {role} turn holds a content part that is {json_kind(part)}: expected a string "
                           "or a {\"type\": \"text\", \"text\": ...} object; fix that record, or set "
                           "on_bad_record='skip'")
     kind = part.get("type", "text")
@@ -245,7 +245,7 @@ def _part_text(part, place: str, role: str) -> str:
         raise PromptError(f"{place}: a {role} turn holds a content part of type {kind!r}; only text parts "
                           "can be regenerated: drop that part or the record, or set on_bad_record='skip'")
     if not isinstance(part.get("text"), str):
-        raise PromptError(f"{place}: a {role} turn holds a text part whose 'text' is {_kind(part.get('text'))}: "
+        raise PromptError(f"{place}: a {role} turn holds a text part whose 'text' is {json_kind(part.get('text'))}: "
                           "expected a string; fix that record, or set on_bad_record='skip'")
     return part["text"]
 

@@ -19,7 +19,7 @@ from collections import Counter
 
 import phonenumbers
 
-from .common.secrets import secret_spans
+from ..common.secrets import secret_spans
 
 KINDS = ("email", "phone", "ip_address", "credit_card", "api_key", "bearer_token", "private_key")
 _SECRET_KINDS = {"a private key (PEM block)": "private_key", "a bearer token": "bearer_token",

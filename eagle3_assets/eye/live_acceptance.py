@@ -20,8 +20,8 @@ import urllib.request
 
 import dagster as dg
 
+from ..common import spec_counters
 from . import served
-from .common import spec_counters
 from .servers_file import Server, ServersFile, asset_key
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from .assets.serving import engine_partitions
-from .common.engines import DEFAULT
-from .servers_file import ServersFile
+from ..assets.partitions import engine_partitions
+from ..common.engines import DEFAULT
+from ..eye.servers_file import ServersFile
 
 RETRAIN_TAG = "eagle3/retrain"
 CONFIG_ENV = "EAGLE3_RETRAIN_CONFIG"  # a run-config YAML the sensor's retrainings run with (sizes, engine launch)

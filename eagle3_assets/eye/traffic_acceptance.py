@@ -9,15 +9,15 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from .. import served
+from ..assets.paths import CONVERSATIONS, EVAL
+from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
 from ..common.engines import DEFAULT
 from ..hosts import GpuHost
-from ..servers_file import drift_settings
 from ..stages.traffic_replay import TrafficReplaySettings
-from .paths import CONVERSATIONS, EVAL
+from . import served
+from .servers_file import drift_settings
 from .traffic import TRAFFIC_DIR, traffic_partitions
-from .upstream import upstream_metadata
 
 FITS = "fits_traffic"
 REPLAY_DIR = "traffic_acceptance"  # <day>/<checkpoint or drafter hash>-<time>.parquet: per-prompt results

@@ -11,7 +11,7 @@ import dagster as dg
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .stages.base import plain_name
+from ..stages.base import plain_name
 
 SERVERS_ENV = "EAGLE3_SERVERS"
 ASSET_PREFIX = "live_acceptance"

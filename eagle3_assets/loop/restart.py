@@ -18,7 +18,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from .servers_file import Server
+from ..eye.servers_file import Server
 
 
 def command(server: Server, drafter: str) -> list[str]:

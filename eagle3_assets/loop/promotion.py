@@ -12,14 +12,14 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from .. import production
+from ..assets.partitions import engine_partitions
+from ..assets.paths import EVAL
+from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
 from ..hosts import GpuHost
 from ..stages.serve_compare import ServeCompareSettings
-from .paths import EVAL
+from . import production
 from .retrain import champion
-from .serving import engine_partitions
-from .upstream import upstream_metadata
 
 BEATS, HOLDS = "challenger_beats_champion", "challenger_holds_eval"
 CHALLENGER = dg.AssetKey("challenger_export")

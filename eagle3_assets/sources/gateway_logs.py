@@ -34,7 +34,7 @@ from pathlib import PurePosixPath
 
 import fsspec
 
-from .prompt_sources import Conversation, LoadStats, PromptError, _kind, clean, iter_records, to_messages
+from .prompt_files import Conversation, LoadStats, PromptError, clean, iter_records, json_kind, to_messages
 from .redact import Redactor
 
 TIMESTAMP_FIELDS = ["timestamp", "time", "created", "created_at", "start_time"]
@@ -118,7 +118,7 @@ def request_time(rec: dict, fields: list[str], place: str) -> datetime | None:
                 raise TrafficError(f"{place}: {f} {v[:40]!r} is neither epoch seconds nor an ISO 8601 time (like "
                                    "2026-12-02T10:00:00Z); fix the gateway's log, or set on_bad_record='skip'") from None
             return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
-        raise TrafficError(f"{place}: {f} is {_kind(v)}: expected epoch seconds or an ISO 8601 time; fix the "
+        raise TrafficError(f"{place}: {f} is {json_kind(v)}: expected epoch seconds or an ISO 8601 time; fix the "
                            "gateway's log, or set on_bad_record='skip'")
     return None
 

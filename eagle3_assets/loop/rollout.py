@@ -1,6 +1,6 @@
 """rollout (group `loop`, per engine): the drafter in production put on the engine's running servers, one at a time,
 each checked before the next; a server that fails is put back on its drafter and the rollout stops, naming it
-(eagle3_assets/rollout.py says how, and why restarts)."""
+(eagle3_assets/loop/restart.py says how, and why restarts)."""
 
 import os
 import time
@@ -8,11 +8,12 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from .. import production, served
-from .. import rollout as servers_rollout
+from ..assets.partitions import engine_partitions
 from ..code_versions import code_version
-from ..servers_file import SERVERS_ENV, load_servers
-from .serving import engine_partitions
+from ..eye import served
+from ..eye.servers_file import SERVERS_ENV, load_servers
+from . import production
+from . import restart as servers_rollout
 
 ROLLOUT = served.ROLLOUT
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from . import served
+from ..eye import served
 
 PRODUCTION = dg.AssetKey("production_drafter")
 EXPORT = served.EXPORT

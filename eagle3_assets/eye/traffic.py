@@ -19,15 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field
 
+from ..assets.paths import HELD_OUT
+from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
+from ..common.prompts_table import PROMPTS_SCHEMA
 from ..hosts import GpuHost, Held
-from ..prompt_sources import PromptError
-from ..redact import KINDS, Redactor
+from ..sources.gateway_logs import TIMESTAMP_FIELDS, TrafficStats, read_day, redacted_rows
+from ..sources.prompt_files import PromptError
+from ..sources.redact import KINDS, Redactor
 from ..stages.traffic_sample import TrafficSampleSettings
-from ..traffic_sources import TIMESTAMP_FIELDS, TrafficStats, read_day, redacted_rows
-from .paths import HELD_OUT
-from .prompts import SCHEMA as PROMPTS_SCHEMA
-from .upstream import upstream_metadata
 
 LOGS_ENV = "EAGLE3_TRAFFIC_LOGS"  # the sources when the config names none: comma-separated paths, URLs, globs
 START_ENV, TZ_ENV = "EAGLE3_TRAFFIC_START", "EAGLE3_TRAFFIC_TIMEZONE"

@@ -9,8 +9,8 @@ import time
 
 import dagster as dg
 
+from ..common import charts
 from . import served
-from .common import charts
 from .servers_file import ASSET_PREFIX, SERVERS_ENV, Server, load_servers
 
 REPORT = dg.AssetKey("drift_report")

@@ -10,10 +10,10 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from .. import served
 from ..code_versions import code_version
 from ..common import charts
-from ..servers_file import drift_settings
+from . import served
+from .servers_file import drift_settings
 from .traffic_acceptance import fmt, groups_table, lowest_table
 
 REPLAY = dg.AssetKey("traffic_acceptance")
