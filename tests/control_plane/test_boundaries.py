@@ -139,3 +139,24 @@ def test_the_control_plane_keeps_its_rooms():
                           ("loop", "promotion"), ("loop", "rollout"), ("loop", "production"),
                           ("sources", "redact"), ("sources", "gateway_logs")]:
         assert names.get(concern) == [f"{room}/{concern}.py"], f"{concern}: expected in {room}/, found {names.get(concern)}"
+
+
+def test_an_asset_reaches_only_the_root_modules_the_whole_product_shares():
+    """An asset's walk from its function to the host goes through its own room, the shared layers and hosts/: of
+    the package root it may reach only code versions and lineage (bench/package_shape.py prints the walks)."""
+    import grimp
+
+    graph = grimp.build_graph("eagle3_assets", cache_dir=None)
+    shared = {"code_versions", "lineage", "__init__"}
+    root = {p.stem for p in (ROOT / "eagle3_assets").glob("*.py")} - shared
+    assets = [m for m in graph.modules if m.split(".")[1:2] in (["assets"], ["eye"], ["loop"])
+              and "@dg.asset" in _module_source(m)]
+    assert len(assets) >= 15, f"asset modules not found: {assets}"
+    for m in assets:
+        reached = {r for r in root if f"eagle3_assets.{r}" in graph.find_upstream_modules(m)}
+        assert not reached, f"{m} reaches the root module(s) {sorted(reached)}: move what it needs into a room"
+
+
+def _module_source(module: str) -> str:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return path.read_text() if path.exists() else ""
