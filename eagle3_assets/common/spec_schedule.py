@@ -1,0 +1,133 @@
+"""A speculation schedule by load: how many tokens to draft (k) at each batch size, k = 0 where speculation
+would slow serving down. Chosen from a measured load curve (throughput per k at a grid of concurrencies), checked
+before any server starts, and written in each engine's own form: vLLM's `num_speculative_tokens_per_batch_size`
+(inclusive `[first, last, k]` ranges in the speculative config) and SGLang's adaptive speculation config (a JSON
+file for `--speculative-adaptive-config`, keyed by the batch size each slot starts at).
+
+Both halves read it: the control plane checks a schedule a user gives and records the chosen one; the worker
+writes it into the export's launch files and starts servers with it. Standard library only."""
+
+from __future__ import annotations
+
+import json
+
+Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, k), inclusive, sorted
+
+
+class ScheduleError(ValueError):
+    """A schedule no engine should be started with; the message names the range and what to change."""
+
+
+def check(schedule, max_batch: int | None = None) -> Schedule:
+    """The schedule as sorted (first, last, k) tuples, or a ScheduleError naming the first bad range. Stricter than
+    vLLM's own check (which fills gaps by carrying k forward): every batch size from 1 to `max_batch` must be in
+    exactly one range, so no batch size runs a k nobody chose."""
+    if not isinstance(schedule, list | tuple) or not schedule:
+        raise ScheduleError("a speculation schedule is a non-empty list of [first, last, k] batch-size ranges, "
+                            f"got {schedule!r}")
+    out: Schedule = []
+    for entry in schedule:
+        if not isinstance(entry, list | tuple) or len(entry) != 3 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in entry):
+            raise ScheduleError(f"range {entry!r}: each range is [first, last, k], three integers")
+        first, last, k = entry
+        if first < 1 or last < first:
+            raise ScheduleError(f"range [{first}, {last}, {k}]: batch sizes run from 1 up, first <= last")
+        if k < 0:
+            raise ScheduleError(f"range [{first}, {last}, {k}]: k is the number of drafted tokens, 0 or more")
+        out.append((first, last, k))
+    out.sort()
+    if out[0][0] != 1:
+        raise ScheduleError(f"range {list(out[0])}: the first range must start at batch size 1 (one request alone "
+                            "must have a k too)")
+    for (f0, l0, k0), (f1, l1, k1) in zip(out, out[1:]):
+        if f1 <= l0:
+            raise ScheduleError(f"ranges {[f0, l0, k0]} and {[f1, l1, k1]} overlap at batch size {f1}: each batch "
+                                "size belongs to one range")
+        if f1 != l0 + 1:
+            raise ScheduleError(f"ranges {[f0, l0, k0]} and {[f1, l1, k1]} leave batch sizes {l0 + 1}-{f1 - 1} "
+                                "without a k: make the ranges contiguous")
+    if max_batch is not None and out[-1][1] < max_batch:
+        raise ScheduleError(f"range {list(out[-1])}: the schedule ends at batch size {out[-1][1]}, below the "
+                            f"engine's limit of {max_batch} concurrent requests: extend the last range to {max_batch}")
+    return out
+
+
+def k_at(schedule: Schedule, batch: int) -> int:
+    """The k the schedule drafts at this batch size (the last range's past its end, as vLLM does)."""
+    for first, last, k in schedule:
+        if first <= batch <= last:
+            return k
+    return schedule[-1][2]
+
+
+def choose(curve: dict[int, dict[int, float]], max_batch: int, tolerance: float = 0.03) -> tuple[Schedule, list[dict]]:
+    """The schedule from a load curve: `curve[k][concurrency]` is output throughput (tokens/s), k = 0 the target
+    alone; every k must be measured at the same concurrencies. At each measured concurrency the k with the best
+    throughput; the k of the concurrency below is kept where it is within `tolerance` (a share) of that best, so
+    noise does not flip ranges. Between two measured concurrencies where k falls, the lower k starts right after
+    the lower point (no batch size drafts more than the measurement above it allows); where k rises, the higher k
+    starts at the higher point. Returns the schedule and one row per concurrency (the table for the metadata)."""
+    if 0 not in curve:
+        raise ScheduleError("the load curve has no k = 0 (the target alone): nothing to compare speculation with")
+    points = sorted(curve[0])
+    for k, row in curve.items():
+        if sorted(row) != points:
+            raise ScheduleError(f"k = {k} was measured at concurrencies {sorted(row)}, the target alone at {points}: "
+                                "measure every k at the same concurrencies")
+    if not points or points[0] != 1:
+        raise ScheduleError(f"the load curve starts at concurrency {points[:1]}: measure one request alone (1) too")
+    rows, chosen, prev = [], [], None
+    for c in points:
+        best_k = max(sorted(curve), key=lambda k: curve[k][c])
+        best = curve[best_k][c]
+        k = prev if prev is not None and curve[prev][c] >= best * (1 - tolerance) else best_k
+        rows.append({"concurrency": c, "k": k, "best_k": best_k,
+                     **{f"k{kk}_tok_s": round(curve[kk][c], 2) for kk in sorted(curve)},
+                     "speedup": round(curve[k][c] / curve[0][c], 3) if curve[0][c] else None})
+        chosen.append((c, k))
+        prev = k
+    schedule: Schedule = []
+    start = 1
+    for (c, k), nxt in zip(chosen, chosen[1:] + [(max_batch + 1, None)]):
+        n, k_next = nxt
+        last = c if (k_next is not None and k_next < k) else n - 1
+        last = min(max(last, start), max_batch)
+        if schedule and schedule[-1][2] == k:
+            schedule[-1] = (schedule[-1][0], last, k)
+        else:
+            schedule.append((start, last, k))
+        start = last + 1
+        if start > max_batch:
+            break
+    return check(schedule, max_batch), rows
+
+
+def vllm_config(method: str, model: str, schedule: Schedule, **extra) -> dict:
+    """vLLM's `--speculative-config` for the schedule: `num_speculative_tokens` is its largest k (vLLM sizes its
+    buffers by it), the ranges go in as they are. None when the schedule never speculates."""
+    k_max = max(k for _, _, k in schedule)
+    if k_max == 0:
+        return {}
+    cfg = {"method": method, "model": model, "num_speculative_tokens": k_max, **extra}
+    if len({k for _, _, k in schedule}) > 1:
+        cfg["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
+    return cfg
+
+
+def sglang_adaptive_config(schedule: Schedule) -> dict:
+    """SGLang's adaptive speculation config (the JSON `--speculative-adaptive-config` reads, with
+    `--speculative-adaptive`): one slot per range, keyed by its first batch size (SGLang routes a batch to the
+    largest key not above it), each with the range's k as its only candidate step, so SGLang follows the measured
+    schedule rather than its own generic defaults. For EAGLE-3 with topk 1, k is SGLang's `num_steps`."""
+    return {str(first): {"candidate_steps": [k]} for first, _, k in schedule}
+
+
+def describe(schedule: Schedule) -> str:
+    """'1-4: k=3, 5-12: k=1, 13-256: off' for logs and metadata."""
+    return ", ".join(f"{f}-{la}: " + (f"k={k}" if k else "off") for f, la, k in schedule)
+
+
+def dumps(cfg: dict) -> str:
+    """One line a team can pass as it is: `vllm serve ... --speculative-config "$(cat speculative_config.json)"`."""
+    return json.dumps(cfg, separators=(",", ":"))

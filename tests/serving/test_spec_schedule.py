@@ -1,0 +1,98 @@
+"""The speculation schedule by load (eagle3_assets/common/spec_schedule.py): chosen from a load curve, refused when
+malformed before any server starts, and written in the form each engine reads, checked against vLLM's own
+validator (imported) and SGLang 0.5.14's config loader (its source, read, never imported)."""
+
+import ast
+import bisect
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.common import spec_schedule as ss
+
+SGLANG_SRC = Path(__file__).resolve().parents[2] / ".venv" / "engine-src" / "sglang-0.5.14" / "sglang"
+
+# A load curve shaped as the issue's 2-core measurement (tokens/s): speculation wins alone, loses under load
+CURVE = {0: {1: 28.7, 2: 52.0, 4: 89.2, 8: 140.0, 16: 218.1, 32: 270.0},
+         1: {1: 37.0, 2: 63.0, 4: 99.0, 8: 142.0, 16: 200.0, 32: 240.0},
+         3: {1: 43.3, 2: 70.0, 4: 106.6, 8: 131.0, 16: 176.6, 32: 190.0}}
+
+
+def test_the_schedule_drafts_where_it_pays_and_stops_where_the_target_alone_is_faster():
+    schedule, rows = ss.choose(CURVE, max_batch=256, tolerance=0.03)
+    assert schedule == [(1, 4, 3), (5, 8, 1), (9, 256, 0)], schedule
+    assert ss.k_at(schedule, 1) == 3 and ss.k_at(schedule, 16) == 0 and ss.k_at(schedule, 500) == 0
+    by_c = {r["concurrency"]: r for r in rows}
+    assert by_c[16]["k"] == 0 and by_c[16]["speedup"] == 1.0 and by_c[1]["speedup"] == round(43.3 / 28.7, 3)
+    assert ss.describe(schedule) == "1-4: k=3, 5-8: k=1, 9-256: off"
+
+
+def test_noise_within_the_tolerance_does_not_flip_a_range():
+    # at 8, k=1 beats k=3 by 1 %: within a 3 % tolerance k=3 is kept, with none k=3 is replaced
+    curve = {0: {1: 10.0, 8: 50.0}, 1: {1: 13.0, 8: 60.6}, 3: {1: 15.0, 8: 60.0}}
+    assert ss.choose(curve, max_batch=16, tolerance=0.03)[0] == [(1, 16, 3)]
+    assert ss.choose(curve, max_batch=16, tolerance=0.0)[0] == [(1, 1, 3), (2, 16, 1)]
+
+
+def test_where_k_rises_the_higher_k_starts_at_the_measured_point():
+    curve = {0: {1: 10.0, 4: 30.0}, 1: {1: 12.0, 4: 31.0}, 2: {1: 11.0, 4: 40.0}}
+    assert ss.choose(curve, max_batch=8, tolerance=0.0)[0] == [(1, 3, 1), (4, 8, 2)]
+
+
+@pytest.mark.parametrize("bad, names", [
+    ([[1, 4, 3], [4, 16, 0]], "ranges [1, 4, 3] and [4, 16, 0] overlap at batch size 4"),
+    ([[2, 16, 3]], "range [2, 16, 3]: the first range must start at batch size 1"),
+    ([[1, 4, 3], [8, 16, 0]], "leave batch sizes 5-7 without a k"),
+    ([[1, 4, -1]], "range [1, 4, -1]: k is the number of drafted tokens"),
+    ([[1, 4]], "range [1, 4]: each range is [first, last, k]"),
+    ([], "non-empty list"),
+    ([[1, 8, 3]], "ends at batch size 8, below the engine's limit of 16"),
+])
+def test_a_bad_schedule_is_refused_naming_the_range(bad, names):
+    with pytest.raises(ss.ScheduleError) as e:
+        ss.check(bad, max_batch=16)
+    assert names in str(e.value), str(e.value)
+
+
+def test_a_curve_missing_the_target_alone_or_one_request_is_refused():
+    with pytest.raises(ss.ScheduleError, match="no k = 0"):
+        ss.choose({3: {1: 2.0}}, max_batch=8)
+    with pytest.raises(ss.ScheduleError, match="measure one request alone"):
+        ss.choose({0: {2: 1.0}, 3: {2: 2.0}}, max_batch=8)
+    with pytest.raises(ss.ScheduleError, match="same concurrencies"):
+        ss.choose({0: {1: 1.0, 2: 2.0}, 3: {1: 2.0}}, max_batch=8)
+
+
+def test_vllm_reads_the_config_as_the_schedule_means_it():
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = [(1, 4, 3), (5, 12, 1), (13, 64, 0)]
+    cfg = json.loads(ss.dumps(ss.vllm_config("eagle3", "/models/drafter", schedule)))
+    assert cfg["num_speculative_tokens"] == 3
+    lookup = build_dynamic_sd_schedule_lookup(cfg["num_speculative_tokens_per_batch_size"], 64,
+                                              cfg["num_speculative_tokens"])
+    assert [lookup[b] for b in range(1, 65)] == [ss.k_at(schedule, b) for b in range(1, 65)]
+    # one k everywhere: a plain config; never speculating: no speculative config at all
+    assert "num_speculative_tokens_per_batch_size" not in ss.vllm_config("eagle3", "d", [(1, 64, 2)])
+    assert ss.vllm_config("eagle3", "d", [(1, 64, 0)]) == {}
+
+
+@pytest.mark.skipif(not SGLANG_SRC.exists() and os.environ.get("CI") != "true",
+                    reason="the SGLang 0.5.14 source is fetched by `.ci/setup --tests`")
+def test_sglang_reads_the_adaptive_config_as_the_schedule_means_it(tmp_path):
+    src = (SGLANG_SRC / "srt" / "speculative" / "adaptive_spec_params.py").read_text()
+    tree = ast.parse(src)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_load_adaptive_config")
+    ns = {"json": json, "DEFAULT_ADAPTIVE_CONFIG": {}}
+    exec(compile(ast.Module([fn], []), "adaptive_spec_params.py", "exec"), ns)  # SGLang's own loader, alone
+    schedule = [(1, 4, 3), (5, 12, 1), (13, 64, 0)]
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps(ss.sglang_adaptive_config(schedule)))
+    _, slots = ns["_load_adaptive_config"](str(path))
+    keys = sorted(slots)
+    assert "bisect.bisect_right(self._bs_list, target) - 1" in src  # SGLang's routing, as emulated here
+    for b in range(1, 65):
+        slot = slots[keys[max(0, bisect.bisect_right(keys, b) - 1)]]
+        assert slot["candidate_steps"] == [ss.k_at(schedule, b)], b
