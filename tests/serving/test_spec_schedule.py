@@ -96,3 +96,14 @@ def test_sglang_reads_the_adaptive_config_as_the_schedule_means_it(tmp_path):
     for b in range(1, 65):
         slot = slots[keys[max(0, bisect.bisect_right(keys, b) - 1)]]
         assert slot["candidate_steps"] == [ss.k_at(schedule, b)], b
+
+
+def test_the_speedup_check_is_judged_at_every_measured_concurrency():
+    from eagle3_assets.assets.serving import speedup
+
+    # the fixed k = 3 server: 1.51x alone, 0.81x at 16 at once: the check fails, naming the load
+    loses = speedup({"speedup": 1.51, "speedup_c1": 1.51, "speedup_c4": 1.20, "speedup_c16": 0.81})
+    assert not loses.passed and "0.81x at 16 concurrent requests" in loses.description
+    assert "1.20x" not in loses.description and loses.metadata["lowest_speedup"].value == 0.81
+    pays = speedup({"speedup": 1.46, "speedup_c1": 1.46, "speedup_c16": 1.0})
+    assert pays.passed and pays.metadata["concurrencies"].value == [1, 16]
