@@ -1,8 +1,10 @@
 """The docs hold to the code: every run-config key a page shows is a setting of that asset, every hosts-file key
 a field of its host's kind, every `eagle3-assets ...` command parses with the CLI's own parser, every
-`python bench/...` script exists, the environment-variable reference covers what the package reads, and the
-site builds offline with --strict."""
+`python bench/...` script exists, every `eagle3_assets/...` path a page names exists, every name the page on
+extending it shows is one the code defines, the concepts page names every job, sensor and schedule, the
+environment-variable reference covers what the package reads, and the site builds offline with --strict."""
 
+import ast
 import importlib.util
 import re
 import shlex
@@ -144,6 +146,94 @@ def test_a_command_that_does_not_parse_fails():
         parser.parse_args(shlex.split("materialize --budget 30"))
     with pytest.raises(SystemExit):
         parser.parse_args(shlex.split("lineage --explain four"))
+
+
+def test_every_page_the_readme_links_exists():
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    local = [link.split("#", 1)[0] for link in links if "://" not in link]
+    assert len(local) >= 10, "the README's links were not found: the pattern is broken"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to what is not there: {missing}"
+
+
+PACKAGE_PATH = re.compile(r"(?<![\w/.])eagle3_assets(?:/[\w.-]+)*/?")
+
+
+def path_errors(text: str) -> list[str]:
+    """The `eagle3_assets/...` paths in a page's text that are not in the repository. A path ends where a
+    placeholder starts (`worker/engines/<name>/` is checked as `worker/engines/`); a sentence's full stop is not
+    part of it."""
+    errors = []
+    for m in PACKAGE_PATH.finditer(text):
+        path = m.group(0).rstrip(".")
+        if not (ROOT / path).exists():
+            errors.append(f"{path}: no such file or folder")
+    return errors
+
+
+def test_every_package_path_the_docs_name_exists():
+    found, errors = 0, []
+    for page in PAGES:
+        text = page.read_text()
+        found += len(PACKAGE_PATH.findall(text))
+        errors += [f"{page.relative_to(ROOT)}: {e}" for e in path_errors(text)]
+    assert found >= 40, "the docs' package paths were not found: the path pattern is broken"
+    assert not errors, "\n".join(errors)
+
+
+def test_a_moved_module_fails():
+    assert path_errors("the loop: `eagle3_assets/loop/retrain.py`, `eagle3_assets/worker/engines/<name>/`.") == []
+    assert path_errors("the old place: eagle3_assets/loop.py.") == ["eagle3_assets/loop.py: no such file or folder"]
+    assert path_errors("eagle3_assets/assets/traffic.py") == ["eagle3_assets/assets/traffic.py: no such file or folder"]
+
+
+def code_names() -> set[str]:
+    """Every name the package and its tests define (functions, classes, assignments, fields, modules and packages)
+    and every identifier-like string they hold (job and asset names, record keys)."""
+    names = set()
+    for path in [*(ROOT / "eagle3_assets").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        names.add(path.stem if path.name != "__init__.py" else path.parent.name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                names.add(node.value)
+    return names
+
+
+CODE_NAME = re.compile(r"`([A-Za-z_]\w*)`")
+
+
+@pytest.mark.parametrize("page", ["extend.md", "glossary.md"])
+def test_every_name_the_extension_page_and_the_glossary_show_is_in_the_code(page):
+    """docs/extend.md tells what to touch by name (`to_messages`, `STAGES`, `engine_partitions`...), the glossary
+    where a word lives: each name must still be defined in the package (or, for a test, in tests/), so a rename
+    shows up here, not in a newcomer's search."""
+    known = code_names()
+    shown = set(CODE_NAME.findall((ROOT / "docs" / page).read_text()))
+    assert len(shown) >= 30, "the page's names were not found: the pattern is broken"
+    missing = sorted(shown - known)
+    assert not missing, f"docs/{page} names what the code does not define: {missing}"
+    assert "to_messages" in known and "to_" + "messagez" not in known  # (split: this file is read too)
+
+
+def test_the_concepts_page_names_every_job_sensor_and_schedule():
+    from eagle3_assets import eye, loop
+    from eagle3_assets.definitions import defs
+    from eagle3_assets.eye.servers_file import ServersFile
+
+    # with a servers file, as production runs it: the live sensors exist only then
+    servers = ServersFile.model_validate({"servers": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    parts = [defs, eye.definitions(servers), loop.definitions(servers)]
+    jobs = {j.name for j in defs.resolve_all_job_defs() if not j.name.startswith("__")}
+    jobs |= {j.name for d in parts for j in (d.jobs or [])}
+    names = jobs | {s.name for d in parts for s in [*(d.sensors or []), *(d.schedules or [])]}
+    assert {"retrain_on_traffic", "report_drift", "live_drift_sensor", "nightly_rebenchmark"} <= names
+    page = (ROOT / "docs" / "concepts.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in page)
+    assert not missing, f"docs/concepts.md (Jobs, sensors and schedules) does not name {missing}"
 
 
 def test_the_environment_reference_covers_what_the_package_reads():
