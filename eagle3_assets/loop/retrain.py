@@ -8,6 +8,9 @@ so that it does not forget what it served before; challenger_export exports it. 
 host (one retraining at a time: the run queue's tag eagle3/retrain keeps it so), the challenger under
 drafter/<run_name>."""
 
+import os
+import time
+
 import dagster as dg
 from pydantic import Field
 
@@ -16,7 +19,7 @@ from ..assets.paths import DRAFTER_DIR, EXPORT_DIR, SHARDS_DIR
 from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
 from ..common.engines import DEFAULT, NAMES
-from ..eye.traffic import TRAFFIC_DIR
+from ..eye.traffic import LOGS_ENV, TRAFFIC_DIR, traffic, traffic_partitions
 from ..hosts import GpuHost
 from ..stages.export import ExportSettings
 from ..stages.extract import ExtractSettings
@@ -34,21 +37,88 @@ class RetrainDataConfig(dg.Config, TrafficSplitSettings):
     """The traffic_split stage's settings (eagle3_assets/stages/traffic_split.py), and which days it takes."""
 
     days: int = Field(default=1, gt=0, description="the newest traffic partitions materialized, taken together")
+    reread: bool = Field(default=True, description="read today's traffic partition again from the gateway's logs "
+                         "before splitting (as its newest materialization read them): a retraining answers a drift "
+                         "with the traffic there is when it runs, not with what a drift report read")
+    # an hour: the issue's case (drift seen after ~30 requests, the rest over half an hour) is answered by its first
+    # retraining; the wait holds the engine's retraining slot, not the GPU (retrain_data takes no gpu_host pool)
+    wait_for_traffic_s: int = Field(default=3600, ge=0, description="under min_prompts training prompts: read the "
+                                    "day again every poll_traffic_s for up to this long before failing (0: fail at "
+                                    "once); after a failure retrain_on_drift_sensor retries when the traffic grows")
+    poll_traffic_s: int = Field(default=60, gt=0, description="while waiting for traffic: seconds between reads")
+    reread_every_s: int = Field(default=900, ge=60, description="after a retraining gave up for too little traffic: "
+                                "how often retrain_on_drift_sensor reads today's traffic again to see it grow (the "
+                                "sensor takes it from EAGLE3_RETRAIN_CONFIG)")
+
+
+WAITING = "waiting for traffic"  # retrain_data's observation when it gives up: the drift it answers is unanswered
+TRAFFIC_READ_TAG = "eagle3/traffic_read"  # on a run that reads a traffic day again for the loop: why
+
+
+def traffic_read_config(instance: dg.DagsterInstance) -> dict | None:
+    """The traffic asset's config of its newest materialization, to read a day again the same way (its sources);
+    None when no source is known (neither that run's config nor EAGLE3_TRAFFIC_LOGS names one)."""
+    rec = next(iter(instance.fetch_materializations(dg.AssetKey("traffic"), limit=1).records), None)
+    run = instance.get_run_by_id(rec.run_id) if rec and rec.run_id else None
+    cfg = ((run.run_config if run else {}).get("ops", {}).get("traffic", {}) or {}).get("config") or {}
+    return cfg if cfg.get("sources") or os.environ.get(LOGS_ENV) else None
+
+
+def reread_today(context: dg.AssetExecutionContext, gpu_host: GpuHost) -> None:
+    """Today's traffic partition materialized again, in a run of its own (recorded as any traffic read)."""
+    cfg, day = traffic_read_config(context.instance), traffic_partitions.get_last_partition_key()
+    if cfg is None:
+        context.log.warning(f"today's traffic ({day}) is not read again: no gateway logs are known (set "
+                            f"{LOGS_ENV}, or materialize traffic with `sources`); splitting what is materialized")
+        return
+    done = dg.materialize([traffic], partition_key=day, instance=context.instance, resources={"gpu_host": gpu_host},
+                          run_config={"ops": {"traffic": {"config": cfg}}} if cfg else None, raise_on_error=False,
+                          tags={TRAFFIC_READ_TAG: f"retrain_data of run {context.run_id}"})
+    if not done.success:
+        raise dg.Failure(description=f"reading today's traffic ({day}) again failed: see run {done.run_id}; set "
+                                     "reread: false to split the traffic already materialized", allow_retries=False)
+
+
+def traffic_prompts(instance: dg.DagsterInstance, day: str) -> int | None:
+    rec = next(iter(instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("traffic"), asset_partitions=[day]), limit=1).records), None)
+    value = rec.event_log_entry.asset_materialization.metadata.get("prompts") if rec else None
+    return getattr(value, "value", value)
 
 
 @dg.asset(group_name="loop", kinds={"parquet"}, deps=["traffic"], code_version=code_version(__name__, "retrain_data"))
 def retrain_data(context: dg.AssetExecutionContext, config: RetrainDataConfig, gpu_host: GpuHost):
-    """The newest traffic days, cut by a hash of each prompt into prompts to retrain on and prompts held out for
-    the promotion gate. Too little new traffic (under min_prompts) fails it, saying so: nothing is retrained."""
-    done = sorted(context.instance.get_materialized_partitions(dg.AssetKey("traffic")), reverse=True)
-    if not done:
-        raise dg.Failure(description="no traffic partition is materialized: materialize traffic for the days to "
-                                     "retrain on", allow_retries=False)
-    days = done[: config.days]
-    run = gpu_host.run_stage(context, "traffic_split", {
-        "days": [f"{TRAFFIC_DIR}/{d}.parquet" for d in days], "out_dir": RETRAIN_DIR,
-        **config.model_dump(exclude={"days"})})
-    return run.materialize_result(traffic_days=dg.MetadataValue.json(days))
+    """The newest traffic days (today's read again first), cut by a hash of each prompt into prompts to retrain on
+    and prompts held out for the promotion gate. Under min_prompts it waits up to wait_for_traffic_s, reading the
+    day again, then fails saying so (an observation `waiting for traffic`): nothing is retrained."""
+    until = time.time() + config.wait_for_traffic_s
+    while True:
+        if config.reread:
+            reread_today(context, gpu_host)
+        done = sorted(context.instance.get_materialized_partitions(dg.AssetKey("traffic")), reverse=True)
+        if not done:
+            raise dg.Failure(description="no traffic partition is materialized: materialize traffic for the days to "
+                                         "retrain on", allow_retries=False)
+        days = done[: config.days]
+        run = gpu_host.run_stage(context, "traffic_split", {
+            "days": [f"{TRAFFIC_DIR}/{d}.parquet" for d in days], "out_dir": RETRAIN_DIR, "short_ok": True,
+            **config.model_dump(exclude={"days", "reread", "wait_for_traffic_s", "poll_traffic_s", "reread_every_s"})})
+        if not run.result.get("short"):
+            return run.materialize_result(traffic_days=dg.MetadataValue.json(days))
+        have, left = run.result["train_prompts"], until - time.time()
+        if left <= 0:
+            break
+        context.log.info(f"{WAITING}: {have} of min_prompts {config.min_prompts} training prompts in {', '.join(days)}"
+                         f"; reading the day again in {config.poll_traffic_s} s, until "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(until))}")
+        time.sleep(min(config.poll_traffic_s, left))
+    # what this attempt saw, for the UI and for retrain_on_drift_sensor, which retries when the newest day grows
+    context.log_event(dg.AssetObservation(asset_key=context.asset_key, metadata={
+        "state": WAITING, "train_prompts": have, "min_prompts": config.min_prompts, "traffic_day": days[0],
+        "traffic_prompts": traffic_prompts(context.instance, days[0]) or 0, "waited_s": config.wait_for_traffic_s}))
+    raise dg.Failure(description=f"{run.result['why']} (after waiting {config.wait_for_traffic_s} s: "
+                                 "wait_for_traffic_s; retrain_on_drift_sensor retries when the traffic grows)",
+                     metadata={"train_prompts": have, "min_prompts": config.min_prompts}, allow_retries=False)
 
 
 class RetrainConversationsConfig(dg.Config, GenerateSettings):

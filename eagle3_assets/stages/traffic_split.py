@@ -20,6 +20,9 @@ class TrafficSplitSettings(Settings):
 class TrafficSplitArgs(Args, TrafficSplitSettings):
     days: list[str] = Field(min_length=1, description="the traffic partitions' Parquet files, newest first")
     out_dir: str = Field(description="train.parquet and heldout.parquet are written here")
+    short_ok: bool = Field(default=False, description="under min_prompts: answer the counts ({short: true, why, "
+                           "train_prompts, prompts_per_day}) and write nothing, instead of failing (retrain_data "
+                           "polls with it while it waits for traffic)")
 
 
 class TrafficSplitResult(Result):

@@ -42,10 +42,14 @@ def run(workdir: str, args: TrafficSplitArgs, reporter) -> None:
     if args.max_prompts:
         train = train[: args.max_prompts]
     if len(train) < args.min_prompts:
-        raise StageError(f"too little new traffic: {len(train)} training prompts in {len(args.days)} day(s) "
-                         f"({', '.join(f'{d}: {n}' for d, n in per_day.items())}), under min_prompts "
-                         f"{args.min_prompts}: nothing is retrained. Wait for more traffic, take more days, or lower "
-                         "min_prompts")
+        why = (f"too little new traffic: {len(train)} training prompts in {len(args.days)} day(s) "
+               f"({', '.join(f'{d}: {n}' for d, n in per_day.items())}), under min_prompts {args.min_prompts}: "
+               "nothing is retrained. Wait for more traffic, take more days, or lower min_prompts")
+        if args.short_ok:  # the caller waits and asks again: an answer, not a failure
+            reporter.result({"short": True, "why": why, "train_prompts": len(train), "heldout_prompts": len(heldout),
+                             "prompts_per_day": per_day})
+            return
+        raise StageError(why)
     if not heldout:
         raise StageError(f"no held-out prompt among {len(train)}: the gate would have nothing to measure on; raise "
                          "heldout_share or take more days")
