@@ -146,7 +146,11 @@ def show_lineage(args) -> int:
     if args.served:
         from .eye.served_lineage import show_served
 
-        return show_served(instance, args.engine)
+        try:
+            return show_served(instance, args.engine)
+        except ValueError as e:  # a bad servers file: its message names the field
+            print(f"lineage --served: {e}", file=sys.stderr)
+            return 2
     from . import lineage
 
     rows = lineage.history(instance)
@@ -180,24 +184,43 @@ def show_lineage(args) -> int:
     return 0
 
 
+def _servers(engine: str):
+    """The servers file's servers of `engine`, or why there are none to roll out to (in words)."""
+    from .eye.servers_file import SERVERS_ENV, load_servers
+
+    path = os.environ.get(SERVERS_ENV)
+    if not path:
+        return None, (f"no servers to roll out to: {SERVERS_ENV} is not set (name a YAML file listing the servers, "
+                      "each with its restart command)")
+    try:
+        servers = [s for s in load_servers(path).servers if s.engine == engine]
+    except ValueError as e:
+        return None, str(e)
+    return (servers, None) if servers else (None, f"the servers file {path} lists no {engine} server")
+
+
 def decide(args) -> int:
     """`promote` / `rollback`: a production decision by hand, recorded as production_drafter's materialization (one
     transaction of the event log); with --rollout, the rollout job then puts it on the servers."""
     instance = _instance()
     from .loop import production
 
-    before = production.current(instance, args.engine)
-    try:
-        if args.cmd == "promote":
-            export = production.export_of(instance, args.version)
-            meta = production.decision(args.engine, export, "promoted by hand", args.why, before)
-        else:
-            meta = production.decision(args.engine, production.rollback_target(instance, args.engine, args.to),
-                                       "rolled back", args.why, before)
-    except ValueError as e:
-        print(f"{args.cmd}: {e}", file=sys.stderr)
+    if args.rollout and (why := _servers(args.engine)[1]):  # refused before a decision the servers would not follow
+        print(f"{args.cmd} --rollout: {why}; nothing was recorded", file=sys.stderr)
         return 2
-    production.report(instance, args.engine, meta)
+    with production.decision_lock(instance):  # the champion read and the decision recorded as one step
+        before = production.current(instance, args.engine)
+        try:
+            if args.cmd == "promote":
+                export = production.export_of(instance, args.version)
+                meta = production.decision(args.engine, export, "promoted by hand", args.why, before)
+            else:
+                meta = production.decision(args.engine, production.rollback_target(instance, args.engine, args.to),
+                                           "rolled back", args.why, before)
+        except ValueError as e:
+            print(f"{args.cmd}: {e}", file=sys.stderr)
+            return 2
+        production.report(instance, args.engine, meta)
     print(f"{args.engine}: {meta['decision']}: {meta['version']} ({meta['export_path']}); replaced {meta['replaced']}")
     if not args.rollout:
         print(f"the servers still serve what they served: `eagle3-assets {args.cmd} ... --rollout`, or launch the "
@@ -207,7 +230,8 @@ def decide(args) -> int:
 
     res = defs.resolve_job_def("rollout_drafter").execute_in_process(
         instance=instance, partition_key=args.engine, raise_on_error=False, run_config=QUIET_LOGGERS)
-    print(f"rollout {'done' if res.success else 'FAILED'} (run {res.run_id})")
+    print(f"rollout {'done' if res.success else 'FAILED'} (run {res.run_id})" + ("" if res.success else
+          ": `eagle3-assets production` shows what each server serves now"))
     return 0 if res.success else 1
 
 
@@ -225,6 +249,22 @@ def show_production(args) -> int:
         print(f"{'now' if i == 0 else '   '}  {when}  {h['version'][:12]}  {h['decision']:22}  replaced "
               f"{str(h.get('replaced'))[:12]:12}" + (f"  traffic {', '.join(days)}" if days else "")
               + (f"  ({h['why']})" if h.get("why") else ""))
+    servers, why = _servers(args.engine)
+    where = production.on_servers(instance, args.engine, servers or [])
+    if why and os.environ.get("EAGLE3_SERVERS"):
+        print(f"(the servers file is not read: {why})")
+    if not where:
+        return 0
+    want = past[0]["export_path"].rstrip("/")
+    print(f"the servers ({args.engine}), against the record's {past[0]['export_path']}:")
+    differ = []
+    for name, w in sorted(where.items()):
+        same = (w["drafter"] or "").rstrip("/") == want
+        differ += [] if same else [name]
+        print(f"  {name:16} serves {w['drafter'] or 'unknown'}  ({w['how']})" + ("" if same else "  DIFFERS"))
+    if differ:
+        print(f"{len(differ)} of {len(where)} servers differ from the record ({', '.join(differ)}): `eagle3-assets "
+              f"promote|rollback ... --rollout`, or launch the rollout_drafter job for partition {args.engine}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from . import eye, loop
 from .assets import pipeline_assets
 from .assets.partitions import engine_partitions, shard_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
-from .eye.servers_file import SERVERS_ENV, load_servers
+from .eye.servers_file import SERVERS_ENV, ServersFile, load_servers
 from .failover import build_failover_sensor, extract_on_host_job
 from .hosts import HOST_TAG, GpuHost, HostPool, K8sHost, LocalGpuHost, SshGpuHost
 from .hosts.pool import HOSTS_ENV, home_host, host_names
@@ -103,9 +104,22 @@ benchmark_serving_job = dg.define_asset_job(
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
                 "speculation; checks acceptance against offline_acceptance")
 
+
+def servers_from_env() -> tuple[ServersFile | None, str | None]:
+    """The servers file (EAGLE3_SERVERS), or why it was refused: a bad file leaves the eye and the loop without
+    servers, not the whole code location down (training and every other sensor still load)."""
+    if not os.environ.get(SERVERS_ENV):
+        return None, None
+    try:
+        return load_servers(os.environ[SERVERS_ENV]), None
+    except ValueError as e:
+        logging.getLogger("eagle3_assets").warning(f"the serving eye watches no server: {e}")
+        return None, str(e)
+
+
 # The pipeline here; the serving eye (EAGLE3_SERVERS: an asset per production server, its sensors and checks) and
 # the loop each bring their own definitions, merged.
-servers = load_servers(os.environ[SERVERS_ENV]) if os.environ.get(SERVERS_ENV) else None
+servers, servers_refused = servers_from_env()
 
 
 def pipeline_definitions() -> dg.Definitions:
@@ -120,4 +134,5 @@ def pipeline_definitions() -> dg.Definitions:
     )
 
 
-defs = dg.Definitions.merge(pipeline_definitions(), eye.definitions(servers), loop.definitions(servers))
+defs = dg.Definitions.merge(pipeline_definitions(), eye.definitions(servers, servers_refused),
+                            loop.definitions(servers))

@@ -13,9 +13,11 @@ import re
 from collections import Counter
 
 # Environment names under which a value is a secret whatever it looks like (HF_TOKEN, WANDB_API_KEY, WANDB_KEY,
-# HF_AUTH, AWS_SECRET_ACCESS_KEY); TOKENIZERS_PARALLELISM is not one.
+# HF_AUTH, AWS_SECRET_ACCESS_KEY); TOKENIZERS_PARALLELISM is not one, nor a name for where a secret lies
+# (HF_HUB_TOKEN_PATH, SSH_KEY_FILE: a path, the safe way this module's refusals advise; its value is still judged).
 SECRET_NAME = re.compile(r"TOKEN(?!IZ)|SECRET|PASSW|PASSPHRASE|API_?KEY|(^|_)KEY(_|$)|(^|_)AUTH(_|$)|CREDENTIAL"
                          r"|PRIVATE|COOKIE", re.IGNORECASE)
+PATH_NAME = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
 
 # Values that are secrets wherever they stand: the kind, then the pattern. Prefixes as the issuers document them.
 _KINDS: tuple[tuple[str, re.Pattern], ...] = (
@@ -66,11 +68,21 @@ def secret_kind(value: str) -> str | None:
 
 
 def secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
+    return bool(SECRET_NAME.search(name)) and not PATH_NAME.search(name)
+
+
+# In messages only (a command's output, a URL), whatever the value looks like: what an option named as a secret
+# is given (--token=...), a URL's user:password@. The name kept (group 1), the value replaced.
+_IN_MESSAGES: tuple[tuple[str, re.Pattern], ...] = (
+    ("a secret", re.compile(r"((?<![\w-])--?[\w-]*(?:token|secret|passw\w*|api-?key|auth)=)[^\s'\",]+", re.I)),
+    ("a URL's credentials", re.compile(r"(://)[^\s/@:'\"]+:[^\s/@'\"]+(?=@)")),
+)
 
 
 def scrub(text: str) -> str:
     """`text` with every secret-looking part replaced by what it is: for messages built from what a user gave."""
+    for kind, pattern in _IN_MESSAGES:
+        text = pattern.sub(rf"\1[{kind}, not shown]", text)
     for kind, pattern in _KINDS:
         text = pattern.sub(f"[{kind}, not shown]", text)
     return _TOKEN_RUN.sub(lambda m: "[a long random token, not shown]" if _random_token(m.group()) else m.group(),

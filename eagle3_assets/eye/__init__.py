@@ -23,10 +23,11 @@ from .traffic_acceptance import traffic_acceptance
 ASSETS = [traffic, traffic_acceptance, make_drift_report([])]
 
 
-def definitions(servers: ServersFile | None) -> dg.Definitions:
+def definitions(servers: ServersFile | None, refused: str | None = None) -> dg.Definitions:
     """The eye for these servers: an asset per server, the sensor reading them, the drift sensors and the live
-    check, the drift report with each server's asset upstream."""
-    live_specs, live_sensors = build_live_acceptance(servers)
+    check, the drift report with each server's asset upstream. `refused`: why the servers file was not read (the
+    eye then watches nothing, and its live_acceptance_sensor says why on every tick)."""
+    live_specs, live_sensors = build_live_acceptance(servers, refused)
     drift_sensors, drift_checks = build_drift(servers)
     return dg.Definitions(
         assets=[traffic, traffic_acceptance, make_drift_report([s.key for s in live_specs]), *live_specs],

@@ -7,22 +7,29 @@ vLLM's `/metrics` counters differenced into acceptance length and per-position a
 `/get_server_info`, whose `avg_spec_accept_length` is an average since the server started (SGLang exposes no
 counters to difference). A sensor rather than an observable source asset: the difference needs the previous
 read, which the sensor's cursor keeps between ticks, and a tick launches no run (it costs one HTTP request per
-server). A server that does not answer is an observation saying so; counters that went back (a restart) start a
-new window from the restart.
+server). A server that does not answer, or answers what cannot be counted (NaN, Inf), is an observation saying so;
+counters that went back (a restart) start a new window from the restart. The servers are read at once, each within
+its own timeout and all within TICK_CAP_S, so that one slow or broken server neither fails the tick nor starves the
+others (Dagster cuts a sensor's tick at 60 s).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import dagster as dg
 
 from ..common import spec_counters
 from . import served
-from .servers_file import Server, ServersFile, asset_key
+from .servers_file import DEFAULT_INTERVAL_S, Server, ServersFile, asset_key
+
+TICK_CAP_S = 30.0  # every server's read within this (Dagster's 60 s per tick, less the records written after)
 
 
 # ---- one read of one server -----------------------------------------------------------------------------
@@ -44,15 +51,30 @@ def _vllm_drafter(server: Server) -> tuple[str | None, str]:
     return server.drafter, "config"
 
 
-def read(server: Server) -> dict:
+def _not_counted(counters: dict) -> str | None:
+    """Why counters cannot be differenced (a NaN or an infinity in one, a negative count), or None."""
+    named = {f"{spec_counters.VLLM_PREFIX}{c}": counters[c] for c in spec_counters.COUNTERS}
+    named.update({f"{spec_counters.VLLM_PREFIX}num_accepted_tokens_per_pos[{i}]": v
+                  for i, v in enumerate(counters["per_pos"])})
+    for name, v in named.items():
+        if not math.isfinite(v) or v < 0:
+            shown = "NaN" if math.isnan(v) else "+Inf" if v == math.inf else "-Inf" if v == -math.inf else f"{v:g}"
+            return f"its /metrics shows {shown} in {name}: not a count; its metrics are broken (restart it)"
+    return None
+
+
+def read(server: Server, timeout_s: float | None = None) -> dict:
     """What the server's counters say now: {"ok": True, "counters" | "since_start", "drafter", ...} or
     {"ok": False, "error"}."""
+    server = server.model_copy(update={"timeout_s": min(server.timeout_s, timeout_s or server.timeout_s)})
     try:
         if server.engine == "vllm":
             counters = spec_counters.vllm_counters(_get(f"{server.url}/metrics", server.timeout_s).decode())
             if not counters["present"]:
                 return {"ok": False, "error": "its /metrics has no vllm:spec_decode_* counters: it serves without "
                                               "speculative decoding, or is not vLLM"}
+            if why := _not_counted(counters):
+                return {"ok": False, "error": why, "status": "bad counters"}
             drafter, told = _vllm_drafter(server)
             return {"ok": True, "counters": counters, "drafter": drafter, "drafter_from": told}
         info = json.loads(_get(f"{server.url}/get_server_info", server.timeout_s))
@@ -69,7 +91,7 @@ def observe(server: Server, now: dict, before: dict | None, t: float) -> tuple[d
     """The observation of one interval, and what to keep for the next (None: keep the last good read)."""
     base = {"engine": server.engine, "url": server.url}
     if not now["ok"]:
-        meta = {**base, "status": f"unreachable: {now['error']}"}
+        meta = {**base, "status": f"{now.get('status', 'unreachable')}: {now['error']}"}
         return dg.AssetObservation(asset_key=asset_key(server.name), metadata=meta), None
     base.update({"drafter": now.get("drafter") or "unknown (set drafter in the servers file)",
                  "drafter_from": now["drafter_from"]})
@@ -120,19 +142,46 @@ def tick(servers: list[Server], cursor: str | None,
          instance: dg.DagsterInstance | None = None) -> tuple[list[dg.AssetObservation], str]:
     """One round over every server: the observations and the next cursor (each server's last good read)."""
     kept = json.loads(cursor) if cursor else {}
+    t, cap = time.time(), TICK_CAP_S
+    pool = ThreadPoolExecutor(max_workers=min(len(servers), 16) or 1, thread_name_prefix="live_acceptance")
+    reads = {s.name: pool.submit(read, s, cap) for s in servers}
+    wait_for(reads.values(), timeout=cap)
+    pool.shutdown(wait=False, cancel_futures=True)  # a read past the cap ends by its own timeout (<= cap)
     events = []
     for s in servers:
-        t = time.time()
-        event, keep = observe(s, read(s), kept.get(s.name), t)
-        events.append(tied(instance, s, event) if instance is not None else event)
+        f = reads[s.name]
+        if not f.done() or f.cancelled():
+            now = {"ok": False, "error": f"it did not answer within the tick's {cap:g} s (read with the others)"}
+        elif f.exception() is not None:
+            now = {"ok": False, "status": "bad read", "error": f"{type(f.exception()).__name__}: {f.exception()}"}
+        else:
+            now = f.result()
+        try:  # whatever one server answers, the others' observations are still recorded
+            event, keep = observe(s, now, kept.get(s.name), t)
+            event = tied(instance, s, event) if instance is not None else event
+        except Exception as e:  # noqa: BLE001 (one server's figures, not the tick)
+            event, keep = observe(s, {"ok": False, "status": "bad read",
+                                      "error": f"{type(e).__name__}: {e}"}, None, t)
+        events.append(event)
         if keep is not None:
             kept[s.name] = keep
     return events, json.dumps(kept)
 
 
 # ---- the Dagster side -----------------------------------------------------------------------------------
-def build(parsed: ServersFile | None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinition]]:
-    """The servers' assets and the sensor reading them, from the servers file; none without one."""
+def build(parsed: ServersFile | None, refused: str | None = None) -> tuple[list[dg.AssetSpec], list[dg.SensorDefinition]]:
+    """The servers' assets and the sensor reading them, from the servers file; none without one. A file that was
+    refused (`refused`: why): no server, and a sensor that says why on each tick, where the UI shows it."""
+    if parsed is None and refused:
+        why = f"NOT WATCHING: the servers file was refused when the code location loaded: {refused}. Fix it and " \
+              "reload the code location"
+
+        @dg.sensor(name="live_acceptance_sensor", minimum_interval_seconds=DEFAULT_INTERVAL_S, description=why,
+                   default_status=dg.DefaultSensorStatus.RUNNING)
+        def refused_sensor(context: dg.SensorEvaluationContext):
+            return dg.SkipReason(why)
+
+        return [], [refused_sensor]
     if parsed is None:
         return [], []
     specs = [dg.AssetSpec(asset_key(s.name), group_name="serving",

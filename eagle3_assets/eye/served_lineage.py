@@ -34,8 +34,11 @@ def _servers(instance: dg.DagsterInstance) -> list[Server]:
     for key in sorted(keys, key=lambda k: k.path):
         obs = served.observations(instance, key.path[-1], limit=1)
         url = str(obs[-1].get("url", "http://unknown")) if obs else "http://unknown"
-        out.append(Server(name=key.path[-1], url=url if url.startswith("http") else "http://unknown",
-                          engine=str(obs[-1].get("engine", "vllm")) if obs else "vllm"))
+        engine = str(obs[-1].get("engine", "vllm")) if obs else "vllm"
+        try:
+            out.append(Server(name=key.path[-1], url=url, engine=engine))
+        except ValueError:  # a URL the servers file now refuses (not http, or with credentials): not shown
+            out.append(Server(name=key.path[-1], url="http://unknown", engine=engine))
     return out
 
 

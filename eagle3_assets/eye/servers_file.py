@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import dagster as dg
 import yaml
@@ -35,6 +36,8 @@ class Server(BaseModel):
                                       "command run on the Dagster machine, {drafter} replaced by the export's path "
                                       "(e.g. [systemctl, restart, 'vllm@{drafter}'], or a script around kubectl); "
                                       "None: the server is left to you")
+    restart_timeout_s: float = Field(default=600.0, gt=0, description="a restart command still running after this "
+                                     "long is killed (its whole process group) and the server rolled back")
     ready_timeout_s: float = Field(default=900.0, gt=0, description="a rollout waits this long for the server to "
                                    "answer /health after its restart")
 
@@ -46,6 +49,12 @@ class Server(BaseModel):
     @field_validator("url")
     @classmethod
     def _http(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.username is not None or parts.password is not None:  # the URL is shown in every observation
+            raise ValueError(f"the URL of {parts.hostname} carries credentials "
+                             "(user:password@, not shown): the URL is stored in every observation and shown in the "
+                             "UI; give the bare URL and put credentials elsewhere (a proxy or the network in front "
+                             "of the server, never this file)")
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"{v!r} is not an http(s) URL: give the server's base URL, e.g. http://127.0.0.1:8000")
         return v.rstrip("/")

@@ -3,13 +3,21 @@ Each decision (promoted by the gate, promoted by hand, rolled back) is one mater
 written once in one transaction of Dagster's event log (a control plane killed mid-decision leaves the record as it
 was, or with the whole decision), holding the export served, the checkpoint, the champion it replaced, both drafters'
 gate figures and the traffic days behind the challenger. The newest is production; the ones before it are what a
-rollback returns to."""
+rollback returns to. Decisions made by hand are serialized by a file lock beside the instance (`decision_lock`), so
+that each names the one it replaced. What the servers actually serve (after a failed or partial rollout: not always
+the record's) is `on_servers`."""
 
 from __future__ import annotations
+
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import dagster as dg
 
 from ..eye import served
+from ..eye.servers_file import Server
 
 PRODUCTION = dg.AssetKey("production_drafter")
 EXPORT = served.EXPORT
@@ -20,6 +28,15 @@ def history(instance: dg.DagsterInstance, engine: str, limit: int = 200) -> list
     recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=PRODUCTION, asset_partitions=[engine]),
                                            limit=limit).records
     return [{"storage_id": r.storage_id, "when": r.timestamp, "run_id": r.run_id, **served.meta(r)} for r in recs]
+
+
+@contextmanager
+def decision_lock(instance: dg.DagsterInstance) -> Iterator[None]:
+    """One decision at a time on this instance, from reading production to recording the new one: two at once would
+    both read the same champion (both `replaced none`). flock: released by the kernel if the process dies."""
+    with open(Path(instance.root_directory) / "production.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def current(instance: dg.DagsterInstance, engine: str) -> dict | None:
@@ -74,3 +91,24 @@ def rollback_target(instance: dg.DagsterInstance, engine: str, version: str | No
         if h["version"].startswith(version):
             return {"checkpoint": h["version"], f"{engine}_path": h["export_path"], "source": h["trained_path"]}
     raise ValueError(f"{version} was never in production on {engine}: `eagle3-assets production` lists what was")
+
+
+def on_servers(instance: dg.DagsterInstance, engine: str, servers: list[Server]) -> dict[str, dict]:
+    """What each server of the engine serves, as far as this instance knows: {name: {drafter, how}}, from the newest
+    of what a rollout left on it (and how it went) and what the server itself said in a live observation; else the
+    servers file's word. Servers a rollout named but the file no longer lists are kept."""
+    out: dict[str, dict] = {}
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=served.ROLLOUT, asset_partitions=[engine]),
+                                           limit=20).records
+    for rec in recs:  # newest first: the newest rollout that touched a server says what it left there
+        for name, got in (served.meta(rec).get("servers") or {}).items():
+            out.setdefault(name, {"drafter": got.get("drafter"), "how": f"rollout: {got.get('status')}",
+                                  "t": rec.timestamp})
+    for s in servers:
+        if s.engine != engine:
+            continue
+        told = [o for o in served.observations(instance, s.name, limit=50) if o.get("drafter_from") == "server"]
+        if told and told[-1]["t"] > out.get(s.name, {}).get("t", 0):
+            out[s.name] = {"drafter": told[-1]["drafter"], "how": "it says so (live observation)", "t": told[-1]["t"]}
+        out.setdefault(s.name, {"drafter": s.drafter, "how": "the servers file: no rollout has touched it", "t": 0})
+    return out

@@ -13,11 +13,14 @@ build; the restart path runs everywhere and is what SGLang offers (no draft hot-
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 
+from ..common.secrets import scrub
 from ..eye.servers_file import Server
 
 
@@ -43,17 +46,44 @@ def told_drafter(server: Server) -> str | None:
         return None
 
 
-def restart(server: Server, drafter: str, log: Callable[[str], None], timeout_s: float = 600) -> str | None:
+def run_command(argv: list[str], timeout_s: float) -> str | None:
+    """Run a restart command: None when it exits 0, else why not, never quoting its arguments (a team's command may
+    carry a token: kubectl --token=...; messages reach the event log, the metadata and the CLI) and its output
+    scrubbed. It runs in a process group of its own, killed whole on timeout: a `bash -c` wrapper's children would
+    otherwise run on and switch the server after the rollout reported it rolled back."""
+    program = scrub(os.path.basename(argv[0])) if argv else "no command"
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except OSError as e:
+        return f"its restart command ({program}) could not start: {e.strerror}"
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this Popen made: its pgid is its pid
+        except ProcessLookupError:
+            pass
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a child that left the group holds the pipes: stop reading them
+            proc.kill()
+            proc.wait()
+        return (f"its restart command ({program}) did not finish within {timeout_s:g} s (restart_timeout_s in the "
+                "servers file): it was killed with its whole process group")
+    if proc.returncode != 0:
+        said = scrub((err or out or "").strip()[-500:])
+        return f"its restart command ({program}) exited {proc.returncode}" + (f": {said}" if said else "")
+    return None
+
+
+def restart(server: Server, drafter: str, log: Callable[[str], None]) -> str | None:
     """Restart the server with `drafter` and wait for it: None when it is up and serving it, else why not."""
     argv = command(server, drafter)
     # the program only: a team's restart command may carry a token (kubectl --token=...), and logs are widely read
-    log(f"{server.name}: restarting with {drafter} ({argv[0] if argv else 'no command'} ...)")
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"its restart command failed: {type(e).__name__}: {e}"
-    if done.returncode != 0:
-        return f"its restart command exited {done.returncode}: {(done.stderr or done.stdout).strip()[-500:]}"
+    log(f"{server.name}: restarting with {drafter} ({scrub(argv[0]) if argv else 'no command'} ...)")
+    if why := run_command(argv, server.restart_timeout_s):
+        return why
     deadline = time.monotonic() + server.ready_timeout_s
     while time.monotonic() < deadline:
         if healthy(server.url):

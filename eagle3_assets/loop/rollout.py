@@ -46,8 +46,12 @@ def rollout(context: dg.AssetExecutionContext, config: RolloutConfig) -> dg.Mate
         raise dg.Failure(description=f"nothing is in production on {engine}: promote a drafter first")
     if not os.environ.get(SERVERS_ENV):
         raise dg.Failure(description=f"no servers to roll out to: list them in the file {SERVERS_ENV} names")
+    try:
+        servers = [s for s in load_servers(os.environ[SERVERS_ENV]).servers if s.engine == engine]
+    except ValueError as e:  # the file's own message names the field; no traceback to read through
+        raise dg.Failure(description=str(e), allow_retries=False) from None
     new, done = prod["export_path"], {}
-    for s in [s for s in load_servers(os.environ[SERVERS_ENV]).servers if s.engine == engine]:
+    for s in servers:
         old = served.rolled_out(context.instance, s.name) or served.serving_now(
             served.observations(context.instance, s.name, limit=50)) or s.drafter
         if old and old.rstrip("/") == new.rstrip("/"):

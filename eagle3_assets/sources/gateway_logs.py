@@ -21,10 +21,12 @@ candidates are chosen; only the first `keep` by rank are held in memory and reda
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import heapq
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -80,11 +82,32 @@ def expand(sources: list[str]) -> list[str]:
                                "gs://, ... with its backend installed on the Dagster machine)") from None
         glob = any(c in source for c in "*?[")
         if not paths or (not glob and not fs.exists(paths[0])):
+            if denied := _local_denied(fs, paths[0] if paths else source, glob):
+                raise TrafficError(f"traffic source {source!r}: permission denied ({denied}): the Dagster machine's "
+                                   f"user ({getpass.getuser()}) must be able to read the logs and search their "
+                                   "directories: grant it read access (e.g. its group), or copy the logs where it can")
             raise TrafficError(f"traffic source {source!r} {'matches no file' if glob else 'not found'}: check the "
                                "traffic asset's `sources` (or EAGLE3_TRAFFIC_LOGS); paths and globs are read on the "
                                "Dagster machine")
         out += [source] if not glob else [p if "://" not in source else fs.unstrip_protocol(p) for p in sorted(paths)]
     return out
+
+
+def _local_denied(fs, path: str, glob: bool) -> str | None:
+    """Why a local path that seems absent is in fact unreadable (a directory the user cannot search or list: exists()
+    and glob() then say nothing is there), or None."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return None
+    path = fs._strip_protocol(path)
+    if glob:  # the deepest directory before the first wildcard must be listable
+        path = str(PurePosixPath(re.split(r"[*?\[]", path, maxsplit=1)[0] + "x").parent)
+    try:
+        os.listdir(path) if glob else os.stat(path)
+    except PermissionError as e:
+        return f"{e.strerror.lower()} on {e.filename}" if e.filename else e.strerror.lower()
+    except OSError:  # truly absent, or another error: the caller's "not found" stands
+        return None
+    return None
 
 
 def name_date(url: str) -> date | None:
