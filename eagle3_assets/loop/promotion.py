@@ -126,6 +126,16 @@ def _gate_passed(context, engine: str) -> dict:
 def production_drafter(context: dg.AssetExecutionContext, config: ProductionConfig) -> dg.MaterializeResult:
     """Which export serves in production on the engine (partition), and the decision that put it there: the gate's
     (both drafters' figures and the traffic days behind the challenger), by hand, or a rollback."""
+    # The CLI's decisions take the same lock from reading production to recording; here Dagster stores the record
+    # just after the function returns, a window of milliseconds the lock cannot cover.
+    with production.decision_lock(context.instance):
+        meta = _decide(context, config)
+    context.log.info(f"{context.partition_key}: {meta['decision']}: {meta['version'][:12]} "
+                     f"(replaced {meta['replaced'][:12]})")
+    return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(meta["version"]))
+
+
+def _decide(context: dg.AssetExecutionContext, config: ProductionConfig) -> dict:
     engine, before = context.partition_key, production.current(context.instance, context.partition_key)
     try:
         if config.action == "gate":
@@ -143,8 +153,7 @@ def production_drafter(context: dg.AssetExecutionContext, config: ProductionConf
                                        "rolled back", config.why, before)
     except ValueError as e:
         raise dg.Failure(description=str(e), allow_retries=False) from None
-    context.log.info(f"{engine}: {meta['decision']}: {meta['version'][:12]} (replaced {meta['replaced'][:12]})")
-    return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(meta["version"]))
+    return meta
 
 
 def _any_export(context, version: str | None) -> dict:
