@@ -1,15 +1,33 @@
 """Personal data out of traffic text, before anything of it is stored: each e-mail address, phone number, IP address
-(v4 and v6), credit-card-like number, API key or bearer token is replaced by its kind in brackets (`[EMAIL]`), and
-counted by kind. It runs in the control plane, where the gateway's logs are read (assets/traffic.py): only its output
-reaches the host, the logs, the metadata.
+(v4 and v6), credit-card-like number, API key or bearer token, credential in a URL, national identifier, company
+tax number or IBAN is replaced by its kind in brackets (`[EMAIL]`), and counted by kind (KINDS: the `traffic`
+asset's `redacted_<kind>` metadata). It runs in the control plane, where the gateway's logs are read
+(eye/traffic.py): only its output reaches the host, the logs, the metadata.
 
 Why not Presidio: its pattern recognizers run without a spaCy model, but importing `presidio_analyzer` imports spaCy
 (its NlpArtifacts type is a spaCy Doc), and with it numpy and thinc: the Dagster processes import neither
-(pyproject.toml's import contracts). What is hard to get right by pattern is taken from the library Presidio itself
+(pyproject.toml's import contracts). What is hard to get right by pattern is taken from the libraries Presidio itself
 uses: phone numbers by `phonenumbers` (Google's libphonenumber metadata, pure Python: a number is kept only when
-valid for its region), and the validation of the rest from the standard library (`ipaddress`) or the card
-networks' own checksum (Luhn). API keys and tokens are found by `common/secrets.py`, the same patterns that keep
-secrets out of run configs. Names and postal addresses need a language model, and are not found here."""
+valid for its region), national and tax identifiers by `python-stdnum` (pure Python, no download: each format's
+own check digits), and the validation of the rest from the standard library (`ipaddress`) or the card networks'
+own checksum (Luhn). API keys and tokens are found by `common/secrets.py`, the same patterns that keep secrets out
+of run configs. Names and postal addresses need a language model, and are not found here.
+
+Identifiers (_IDS): a candidate is found by its written shape (digits with the usual separators, letters where the
+format has them) and redacted only when stdnum's validator accepts it, so an order number of the same shape whose
+check digits fail is kept. `[NATIONAL_ID]`: a person's number: US SSN, BR CPF, IN Aadhaar and PAN, ES DNI/NIE, IT
+codice fiscale, FR NIR (sécurité sociale), MX CURP, CN resident ID. `[COMPANY_ID]`: BR CNPJ and EU VAT numbers (by
+country prefix). `[IBAN]`: any country's IBAN. A format with no check digit (US SSN; IN PAN, a shape and a holder
+letter) is a candidate only in its own written shape (NNN-NN-NNNN, AAAPA9999A), never as bare digits. Bare digit
+runs are taken where the check is strong: CPF and CNPJ (2 check digits: 1 random number in 100 passes), FR NIR (1 in
+97), CN resident ID (a birth date and a check); an Aadhaar (12 digits, 2-9 first, one Verhoeff digit) passes for 1
+such number in 10: taken all the same, since a leaked ID costs more than an id-like number lost from a prompt. Left
+out: bare digits with one check digit or none (DE IdNr, PT NIF; GB NINO: stdnum has none), which would take order
+numbers; their VAT forms (DE..., PT...) are found.
+
+`[URL_CREDENTIAL]`: the user-info of a URL (`https://TOKEN@github.com/...`, `postgres://user:PASS@host/db`)
+becomes `https://[URL_CREDENTIAL]@github.com/...`: scheme, host and path kept, and nothing inside it is counted
+again (no `[EMAIL]` for `PASS@host`)."""
 
 from __future__ import annotations
 
@@ -18,10 +36,21 @@ import re
 from collections import Counter
 
 import phonenumbers
+from stdnum import iban
+from stdnum.br import cnpj, cpf
+from stdnum.cn import ric
+from stdnum.es import dni, nie
+from stdnum.eu import vat
+from stdnum.fr import nir
+from stdnum.in_ import aadhaar, pan
+from stdnum.it import codicefiscale
+from stdnum.mx import curp
+from stdnum.us import ssn
 
 from ..common.secrets import secret_spans
 
-KINDS = ("email", "phone", "ip_address", "credit_card", "api_key", "bearer_token", "private_key")
+KINDS = ("email", "phone", "ip_address", "credit_card", "api_key", "bearer_token", "private_key", "url_credential",
+         "national_id", "company_id", "iban")
 _SECRET_KINDS = {"a private key (PEM block)": "private_key", "a bearer token": "bearer_token",
                  "a JSON web token": "bearer_token"}  # every other kind secrets.py names is a key: api_key
 
@@ -33,6 +62,37 @@ _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{1,4}|:)(?::[0-9A-Fa-f]{0,4}){2,7}
                    r"(?![\w:])")
 # 13-19 digits, single spaces or dashes between them (4111 1111 1111 1111, 4111-1111-1111-1111)
 _CARD = re.compile(r"(?<![\d.,-])\d(?:[ -]?\d){12,18}(?![\d]|[.,]\d)")
+# a URL's user-info: what stands between '://' and the authority's last '@' (a password may hold an unescaped '@')
+_URL_USERINFO = re.compile(r"(?<=[A-Za-z0-9+.-])://([^\s/?#<>\"'`]+)@")
+
+# Identifiers: (kind, candidate shape, validators, trim). A candidate is redacted when a validator accepts it.
+# Digits glued to a longer number, a version or a path (1.529.982.247-25, v123-45-6789) are no candidate.
+_L, _R = r"(?<![\w.,/-])", r"(?![\w]|[.,/-]\w)"
+_EU_VAT = "|".join(sorted({c.upper() for c in vat.MEMBER_STATES} | {"EL"}))
+_IDS = (
+    # SSN: no check digit (stdnum refuses only unissued areas/groups): only its dashed or spaced shape, never 9 bare
+    # digits, or most 9-digit numbers would go
+    ("national_id", re.compile(_L + r"\d{3}([- ])\d{2}\1\d{4}" + _R), (ssn,), False),
+    ("national_id", re.compile(_L + r"\d{3}\.?\d{3}\.?\d{3}-?\d{2}" + _R), (cpf,), False),  # 2 check digits
+    ("company_id", re.compile(_L + r"\d{2}\.?\d{3}\.?\d{3}/?\d{4}-?\d{2}" + _R), (cnpj,), False),  # 2 check digits
+    ("national_id", re.compile(_L + r"[2-9]\d{3}([ -]?)\d{4}\1\d{4}" + _R), (aadhaar,), False),  # Verhoeff
+    ("national_id", re.compile(_L + r"[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[AB]) ?\d{3} ?\d{3} ?\d{2}" + _R), (nir,), False),
+    ("national_id", re.compile(_L + r"\d{17}[\dX]" + _R), (ric,), False),  # birth date + ISO 7064 check
+    ("national_id", re.compile(r"(?<![\w-])(?:\d{8}|[XYZ]-?\d{7})-?[A-Z](?![\w-])"), (dni, nie), False),  # mod 23
+    ("national_id", re.compile(r"\b[A-Z]{3}[ABCFGHJLPTK][A-Z]\d{4}[A-Z]\b"), (pan,), False),  # holder type, 4th
+    ("national_id", re.compile(r"\b[A-Z]{6}[\dLMNP-V]{2}[A-EHLMPR-T][\dLMNP-V]{2}[A-Z][\dLMNP-V]{3}[A-Z]\b"),
+     (codicefiscale,), False),  # check letter; digits may be letters (omocodia)
+    ("national_id", re.compile(r"\b[A-Z][AEIOUX][A-Z]{2}\d{6}[HMX][A-Z]{5}[\dA-Z]\d\b"), (curp,), False),
+    # IBAN (mod 97 and each country's length) and VAT (country prefix, then its own check) are written in groups:
+    # the shape may run on into the next capitalised word ("... 0123 456 PER FAVORE"), so it is cut back at a
+    # separator until valid
+    ("iban", re.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b"), (iban,), True),
+    ("company_id", re.compile(rf"\b(?:{_EU_VAT})(?:[ .-]?[A-Z0-9]){{8,12}}\b"), (vat,), True),
+)
+# Where an identifier may stand: a run of capitals, digits and separators, 9 characters or more (the shortest
+# shape, a DNI's), holding a digit. The patterns above are tried there only: twelve scans of a whole request cost
+# ~130 µs per KB-sized request, the runs' one scan ~15 (bench/redact_bench.py).
+_ID_RUN = re.compile(r"[0-9A-Z][0-9A-Z ./-]{8,}")
 
 
 def _luhn(digits: str) -> bool:
@@ -41,6 +101,13 @@ def _luhn(digits: str) -> bool:
         d = int(ch) * (2 if i % 2 else 1)
         total += d - 9 if d > 9 else d
     return total % 10 == 0
+
+
+def _valid_id(text: str, validators, trim: bool) -> int:
+    """How much of the candidate `text` a validator accepts: its length, a shorter piece ending before one of its
+    separators (`trim`), or 0."""
+    ends = [len(text)] + ([i for i in range(len(text) - 1, 0, -1) if text[i] in " .-"] if trim else [])
+    return next((end for end in ends if any(v.is_valid(text[:end]) for v in validators)), 0)
 
 
 def _ipv6(text: str) -> bool:
@@ -71,14 +138,29 @@ class Redactor:
 
     def spans(self, text: str) -> list[tuple[str, int, int]]:
         found = [(_SECRET_KINDS.get(kind, "api_key"), a, b) for kind, a, b in secret_spans(text)]
+        digits = any(c.isdigit() for c in text)
+        # before phone and card numbers: at the same span, the identifier's kind is the one counted
+        for run in _ID_RUN.finditer(text) if digits else ():
+            if any(c.isdigit() for c in run.group()):
+                for kind, pattern, validators, trim in _IDS:
+                    # from the run's start (lookbehinds still see the text before it) to 2 characters past its end,
+                    # all that the patterns' lookaheads read
+                    for m in pattern.finditer(text, run.start(), run.end() + 2):
+                        if end := _valid_id(m.group(), validators, trim):
+                            found.append((kind, m.start(), m.start() + end))
         found += [("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
         found += [("ip_address", m.start(), m.end()) for m in _IPV4.finditer(text) if _ipv4(m.group())]
         found += [("ip_address", m.start(), m.end()) for m in _IPV6.finditer(text) if _ipv6(m.group())]
         found += [("credit_card", m.start(), m.end()) for m in _CARD.finditer(text)
                   if _luhn(re.sub(r"[ -]", "", m.group()))]
-        if any(c.isdigit() for c in text):
+        if digits:
             found += [("phone", m.start, m.end) for m in phonenumbers.PhoneNumberMatcher(
                 text, self.phone_region, leniency=phonenumbers.Leniency.VALID)]
+        # a URL's credential is one finding: what lies in it (a token, the `PASS@host` an e-mail pattern reads) is
+        # not found again, and its host is kept
+        creds = [("url_credential", m.start(1), m.end(1)) for m in _URL_USERINFO.finditer(text)]
+        if creds:
+            found = [f for f in found if not any(f[1] < b and a < f[2] for _, a, b in creds)] + creds
         # overlapping findings: the one that starts first wins, the longer one at the same start (a card number
         # that a phone matcher reads in part is one card number)
         kept, end = [], -1

@@ -35,12 +35,14 @@ RAW = {
     "credit_card": "4111 1111 1111 1111",
     "api_key": "sk-proj-Xq7vB2nLk9PzR4tWm8YcJd3F",
     "bearer_token": "Bearer eyQ9sT3kLm2Vx8RbN4pWz7Yc",
+    "national_id": "529.982.247-25",  # a Brazilian CPF, its check digits valid
 }
 PII_PROMPT = (f"Hi, I'm reachable at {RAW['email']} or {RAW['phone']}. Our server {RAW['ip_address']} (and "
               f"{RAW['ipv6']}) refuses my card {RAW['credit_card']}; the key is {RAW['api_key']} and the header "
-              f"says Authorization: {RAW['bearer_token']}. Why is the payment declined?")
+              f"says Authorization: {RAW['bearer_token']}; meu CPF é {RAW['national_id']}. Why is the payment "
+              f"declined?")
 EXPECTED = {"email": 1, "phone": 1, "ip_address": 2, "credit_card": 1, "api_key": 1, "bearer_token": 1,
-            "private_key": 0}
+            "private_key": 0, "url_credential": 0, "national_id": 1, "company_id": 0, "iban": 0}
 
 
 def _req(text: str, ts=None, **extra) -> dict:
@@ -277,7 +279,7 @@ def test_a_day_materialized_through_dagster_holds_no_raw_value_anywhere(tmp_path
 
     kept = pq.read_table(work / f"traffic/{DAY}.parquet").to_pylist()
     pii = next(r for r in kept if "payment declined" in r["messages"][0]["content"])["messages"][0]["content"]
-    assert pii.count("[EMAIL]") == 1 and "[CREDIT_CARD]" in pii and "[BEARER_TOKEN]" in pii
+    assert pii.count("[EMAIL]") == 1 and all(f"[{k}]" in pii for k in ("CREDIT_CARD", "BEARER_TOKEN", "NATIONAL_ID"))
     assert {r["length_bucket"] for r in kept} == {"<256"} and "explain consensus in" in {r["first_words"] for r in kept}
     assert not list(work.glob("traffic/.candidates-*"))
 
