@@ -104,14 +104,15 @@ def reading(field: str) -> list:
 
 
 # The common frame of the support probes: a script run with the engine's Python (argv: architecture,
-# model_type, its text model's architecture for a wrapped target, and the text model's shapes as JSON:
-# `target_shapes`) that imports the engine, runs the
+# model_type, its text model's architecture for a wrapped target, the text model's shapes as JSON:
+# `target_shapes`, and the server's extra_args as JSON when a preflight passes them) that imports the engine, runs the
 # engine's own checks (which append to `reasons`) and prints one JSON line.
 _PROBE_HEAD = r'''
 import inspect, json, re, sys
 arch, model_type = sys.argv[1], sys.argv[2]
 text_arch = sys.argv[3] if len(sys.argv) > 3 else arch
 shapes = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # the text model's shapes an engine may limit
+launch = json.loads(sys.argv[5]) if len(sys.argv) > 5 else []  # the server's extra_args, for the facts they change
 out = {"engine": "%(name)s", "architecture": arch, "model_type": model_type}
 try:
     import %(name)s as engine

@@ -57,12 +57,14 @@ def _cached_answer(engine, python: str, question: list[str]) -> tuple[Path | Non
 def _advice(engine, info: dict, purpose: str, model_type: str) -> str:
     """What to do about a probe's no: a rename for a name spelled otherwise, another engine or backend for the
     target's own shape (a width no release is known to take: an upgrade is no advice there), an upgrade for what
-    the release lacks; the other engines (or backends) in every case."""
+    the release lacks; the other engines (or backends) that can take the drafter (`info["unavailable_engines"]`
+    names those that cannot, and why: advice that cannot work here is none)."""
     from . import NAMES
 
     serving = purpose.startswith("serve")
-    others = [n for n in (NAMES if serving else ("hf", *NAMES)) if n != engine.NAME]
-    other = f"the other {'engine' if serving else 'backend'} ({', '.join(others)})"
+    unavailable = info.get("unavailable_engines") or {}
+    others = [n for n in (NAMES if serving else ("hf", *NAMES)) if n != engine.NAME and n not in unavailable]
+    other = f"the other {'engine' if serving else 'backend'} ({', '.join(others)})" if others else ""
     shape = set(info.get("target_shape_reasons") or [])
     rename = info.get("close_spelling")
     rest = [r for r in info["reasons"] if r not in shape and not (rename and repr(rename) in r)]
@@ -72,17 +74,25 @@ def _advice(engine, info: dict, purpose: str, model_type: str) -> str:
                      f"{'EAGLE-3' if serving else 'hidden-state extraction'} for {model_type}")
     if shape:
         steps.append(f"the refusal about its shape is about this target, not this {engine.NAME} release: use "
-                     f"{other}, or a target of a shape it takes")
+                     + (f"{other}, or " if other else "") + "a target of a shape it takes")
         said = "; ".join(steps)
-    else:
+    elif other:
         said = "; ".join(steps) + f", or use {other}" if steps else f"use {other}"
+    else:
+        said = "; ".join(steps)
+    if unavailable:  # the engines left out, said once so that nobody tries them
+        said += ("; " if said else "") + "no other engine can serve this drafter (" + "; ".join(
+            f"{n}: {why}" for n, why in unavailable.items()) + ")"
     return said[:1].upper() + said[1:]
 
 
-def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3") -> dict:
-    """Ask the installed engine (its serving probe, or `probe`); a StageError that names the version, the
-    model type and what to do. A yes is kept per engine install (path and mtime), probe and question, so the
-    next stage that asks gets it at once; a no is asked again every time."""
+def probe_answer(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3",
+                 launch: list[str] = ()) -> dict:
+    """The installed engine's answer (its serving probe, or `probe`), a no included (`supported`, `reasons`);
+    a StageError only when it cannot be asked (no such Python, not installed, the probe failed). `launch`: the
+    server's extra_args, for the facts that depend on them (vLLM: the attention backend asked for). A yes is kept
+    per engine install (path and mtime), probe and question, so the next stage that asks gets it at once; a no
+    is asked again every time."""
     cfg = json.loads((target / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     model_type = cfg.get("model_type", "?")
@@ -90,16 +100,16 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
     from . import target_shapes
 
     shapes = json.dumps(target_shapes(cfg), sort_keys=True)
+    question = [arch, model_type, text_arch, shapes] + ([json.dumps(list(launch))] if launch else [])
     code = probe or engine.SUPPORT_PROBE
     if shutil.which(python) is None:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
                          f"environment where {engine.NAME} is installed")
-    cache, kept = _cached_answer(engine, python, [code, arch, model_type, text_arch, shapes])
+    cache, kept = _cached_answer(engine, python, [code, *question])
     if kept is not None:
         return {**kept, "checked": "kept from an earlier probe of this install"}
     try:
-        done = subprocess.run([python, "-c", code, arch, model_type, text_arch, shapes],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run([python, "-c", code, *question], capture_output=True, text=True, timeout=600)
     except FileNotFoundError:
         raise StageError(f"engine_python {python!r} does not exist on the host: point it at the Python of the "
                          f"environment where {engine.NAME} is installed") from None
@@ -110,11 +120,7 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
     if not info.get("installed"):
         raise StageError(f"{engine.NAME} is not installed for {python} ({info.get('error')}): install it there "
                          f"({engine.INSTALL}), or set engine_python to the environment that has it")
-    if not info["supported"]:
-        raise StageError(
-            f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
-            f"{model_type!r}): {'; '.join(info['reasons'])}. {_advice(engine, info, purpose, model_type)}")
-    if cache is not None:
+    if info["supported"] and cache is not None:
         from ..files import atomic_file
 
         try:
@@ -126,22 +132,58 @@ def check_support(engine, python: str, target: Path, probe: str | None = None, p
     return info
 
 
-def serve_preflight(engine, python: str, target: Path, *, dtype: str | None = None, extra: list[str] = ()) -> dict:
+def check_support(engine, python: str, target: Path, probe: str | None = None, purpose: str = "serve EAGLE-3",
+                  unavailable: dict[str, str] | None = None) -> dict:
+    """`probe_answer`, a no raised: a StageError that names the version, the model type and what to do
+    (`unavailable`: the other engines that cannot take the drafter, and why)."""
+    info = probe_answer(engine, python, target, probe, purpose)
+    if not info["supported"]:
+        cfg = json.loads((target / "config.json").read_text())
+        arch, model_type = (cfg.get("architectures") or ["?"])[0], cfg.get("model_type", "?")
+        info = {**info, "unavailable_engines": unavailable or {}}
+        raise StageError(
+            f"{engine.NAME} {info['version']} cannot {purpose} for this target (architecture {arch}, model_type "
+            f"{model_type!r}): {'; '.join(info['reasons'])}. {_advice(engine, info, purpose, model_type)}")
+    return info
+
+
+def serve_refusal(engine, python: str, target: Path, *, dtype: str | None = None, extra: list[str] = (),
+                  unavailable: dict[str, str] | None = None) -> tuple[str | None, dict]:
+    """(why the EAGLE-3 server would not live, or None; the probe's answer). Every cause found, in the order
+    the server meets them: what it refuses at start (the support probe's no, the target's shape apart), what it
+    dies of loading the drafter or setting up its caches (the engine's `serve_refusals`), then what fails the
+    first request (the target's shape: an MLA width the kernels refuse). `unavailable`: the other engines that
+    cannot take this drafter, and why (none is advised)."""
+    info = probe_answer(engine, python, Path(target), launch=list(extra))
+    info["unavailable_engines"] = dict(unavailable or {})
+    if dtype in (None, "auto"):
+        from ..compute_dtype import host_device, resolve
+
+        dtype = resolve(None, host_device())
+    shape = list(info.get("target_shape_reasons") or [])
+    causes = [r for r in info["reasons"] if r not in shape] + engine.serve_refusals(
+        Path(target), info, dtype, list(extra)) + [r for r in info["reasons"] if r in shape]
+    if not causes:
+        return None, info
+    said = causes[0] if len(causes) == 1 else (f"{len(causes)} causes, in the order the server would meet them: "
+                                               + " ".join(f"({i}) {c};" for i, c in enumerate(causes, 1))[:-1])
+    model_type = json.loads((Path(target) / "config.json").read_text()).get("model_type", "?")
+    advice = f" {_advice(engine, info, 'serve EAGLE-3', model_type)}" if not info["supported"] else ""
+    return (f"{engine.NAME} {info['version']} cannot serve an EAGLE-3 drafter for this target ({target}, "
+            f"architecture {info.get('architecture', '?')}, served in {dtype}): {said}.{advice}"), info
+
+
+def serve_preflight(engine, python: str, target: Path, *, dtype: str | None = None, extra: list[str] = (),
+                    unavailable: dict[str, str] | None = None) -> dict:
     """Before an EAGLE-3 server starts: can the installed engine serve a drafter for `target` (its support
     probe, above), and would the server live past loading it (the engine's `serve_refusals`: for vLLM a key of
     the target's config its EAGLE proposer reads, attention backends with no block size in common), judged
     against the target's config.json, the server's `dtype` (None: the one the stages pick on this host) and
     extra_args every time. The one check for every stage or gate about to spend a server start on EAGLE-3
-    (serve_bench, engine_check's `serve`); a StageError naming every reason and what to do."""
-    info = check_support(engine, python, Path(target))
-    if dtype is None:
-        from ..compute_dtype import host_device, resolve
-
-        dtype = resolve(None, host_device())
-    reasons = engine.serve_refusals(Path(target), info, dtype, list(extra))
-    if reasons:
-        raise StageError(f"{engine.NAME} {info['version']} cannot serve an EAGLE-3 drafter for this target ({target}, "
-                         f"architecture {info['architecture']}, served in {dtype}): {'; '.join(reasons)}")
+    (serve_bench, engine_check's `serve`); a StageError naming every reason, in order, and what to do."""
+    why, info = serve_refusal(engine, python, target, dtype=dtype, extra=extra, unavailable=unavailable)
+    if why is not None:
+        raise StageError(why)
     return info
 
 

@@ -175,7 +175,11 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     device = host_device()
     dtype_info = choice(args.dtype, device)
     t0 = time.monotonic()
-    info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=list(args.extra_args or []))
+    from .export import left_out
+
+    trained = resolve(workdir, args.trained_drafter) if args.trained_drafter else None
+    info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=list(args.extra_args or []),
+                           unavailable=left_out(engine.NAME, target, trained))
     reporter.log(f"{engine.NAME} {info['version']} serves EAGLE-3 for {info['architecture']} "
                  f"({info.get('model_class', '?')}); checked in {time.monotonic() - t0:.1f} s")
     text_only = engine.text_only(target, info, args.language_model_only)

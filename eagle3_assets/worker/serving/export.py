@@ -98,6 +98,52 @@ def write_export(src: Path, out: Path, dialect: str, tc) -> dict:
             "bytes": sum(p.stat().st_size for p in out.iterdir()), **checked}
 
 
+def engine_view(d: Path) -> dict[str, torch.Tensor]:
+    """A drafter directory's tensors as vLLM and SGLang load them, named as our checkpoint names them: the
+    `model.` prefix and `layers.0.`/`midlayer.` (vLLM renames one to the other) mapped away, the target's shared
+    embeddings and t2d (neither engine loads them) dropped; each tensor in the dtype it is stored in."""
+    from ..training.checkpoint import _normalize_names, _read_weights
+
+    return {k: v for k, v in _normalize_names(_read_weights(d)).items() if k != "t2d"}
+
+
+def _blocks_order(served: torch.Tensor, trained: torch.Tensor) -> list[int] | None:
+    """fc.weight takes concat(low, mid, high aux states): for each of the served matrix's three column blocks,
+    the trained block it equals; None when they are not the trained blocks in some order."""
+    if served.dim() != 2 or served.shape[1] % 3:
+        return None
+    s, t = served.chunk(3, dim=1), trained.chunk(3, dim=1)
+    order = [next((j for j in range(3) if torch.equal(s[i], t[j])), None) for i in range(3)]
+    return order if None not in order and sorted(order) == [0, 1, 2] else None
+
+
+def compare_export(export_dir: Path, trained_dir: Path) -> dict:
+    """The export as the engine reads it (`engine_view`) against the trained checkpoint, tensor by tensor, each
+    trained tensor cast to the export's stored dtype first (the export's own cast: an exact match is due).
+    {"same": True, "tensors": n} or {"same": False, "tensor": the first that differs, "why": what differs}."""
+    served, trained = engine_view(Path(export_dir)), engine_view(Path(trained_dir))
+    missing, extra = sorted(set(trained) - set(served)), sorted(set(served) - set(trained))
+    if missing or extra:
+        return {"same": False, "tensor": (missing or extra)[0],
+                "why": (f"it lacks {missing}" if missing else "") + ("; " if missing and extra else "")
+                + (f"it holds {extra}, which the trained drafter has not" if extra else "")}
+    for name in sorted(trained, key=lambda n: (n != "fc.weight", n)):  # fc first: the aux blocks' order
+        s, t = served[name], trained[name]
+        if s.shape != t.shape:
+            return {"same": False, "tensor": name, "why": f"shape {list(s.shape)} against {list(t.shape)}"}
+        t = t.to(s.dtype)
+        if torch.equal(s, t):
+            continue
+        diff = (s.double() - t.double()).abs()
+        why = f"max abs diff {diff.max().item():.4g}, {int((diff > 0).sum())} of {diff.numel()} values differ"
+        order = _blocks_order(s, t) if name == "fc.weight" else None
+        if order is not None:
+            why += (f"; the aux blocks appear reordered: its column blocks hold the trained drafter's blocks {order} "
+                    "(0 = the lowest aux layer's), so every aux state meets another layer's weights")
+        return {"same": False, "tensor": name, "why": why}
+    return {"same": True, "tensors": len(trained)}
+
+
 def _refusal(dialect: str, src: Path, src_cfg: dict, aux: list[int], tc) -> str | None:
     """Why `dialect` cannot take this drafter (its engine would serve another function than the one trained)."""
     try:
@@ -106,6 +152,27 @@ def _refusal(dialect: str, src: Path, src_cfg: dict, aux: list[int], tc) -> str 
     except StageError as e:
         return str(e)
     return None
+
+
+def left_out(engine: str, target: Path, src: Path | None = None) -> dict[str, str]:
+    """The engines other than `engine` that would refuse to take the drafter at `src` (None: one trained on this
+    target's default aux layers, one draft layer: the gate's, before it is trained), with the export's reason:
+    the engines no refusal may advise. From the target's config.json alone (a preflight needs no weights)."""
+    from transformers import AutoConfig
+
+    from ...common.shard_format import default_aux_layers
+
+    try:
+        tc = text_config(AutoConfig.from_pretrained(str(target)))
+    except (OSError, ValueError, KeyError):
+        return {}  # transformers cannot read it: the stage that loads the target says why
+    if src is not None and (src / "config.json").exists():
+        cfg = json.loads((src / "config.json").read_text())
+        aux = aux_ids_from_config(cfg, tc.num_hidden_layers, tc.model_type)
+    else:
+        cfg, aux = {"num_hidden_layers": 1}, default_aux_layers(tc.num_hidden_layers)
+    return {d: why for d in engines.NAMES
+            if d != engine and (why := _refusal(d, src or Path("drafter"), cfg, aux, tc)) is not None}
 
 
 def run(workdir: str, args: ExportArgs, reporter) -> None:

@@ -179,8 +179,9 @@ except Exception as e:
     out["eagle_reads_error"] = f"{type(e).__name__}: {e}"
 # The attention backends this build's platform picks for an MLA target and for the EAGLE-3 drafter's layer
 # (one KV cache group holds both), with the kernel block sizes each takes: vLLM fails after loading both when no
-# block size suits every backend of a group ("No common block size"). For vLLM's own choice and for CPU_MLA,
-# which server_command names on a CPU host (vllm._attention_flags).
+# block size suits every backend of a group ("No common block size"). For vLLM's own choice, for CPU_MLA,
+# which server_command names on a CPU host (vllm._attention_flags), and for the --attention-backend the
+# server's extra_args name (`launch`): a platform may pick otherwise than asked (the CPU one takes its own).
 if shapes.get("mla_latent") and shapes.get("draft_head_dim"):
     try:
         import math
@@ -199,10 +200,15 @@ if shapes.get("mla_latent") and shapes.get("draft_head_dim"):
         def _sizes(b):
             return [s if isinstance(s, int) else {"multiple_of": s.base} for s in b.get_supported_kernel_block_sizes()]
 
+        asked = [a.split("=", 1)[1] if "=" in a else (launch[i + 1] if i + 1 < len(launch) else "")
+                 for i, a in enumerate(launch) if a.split("=")[0] == "--attention-backend"]
         attention = {}
-        for name in ("auto", "CPU_MLA"):
+        for name in dict.fromkeys(["auto", "CPU_MLA", *asked[-1:]]):
             selected = None if name == "auto" else getattr(AttentionBackendEnum, name, None)
             if name != "auto" and selected is None:
+                if name in asked:
+                    attention[name] = {"unknown": f"this vLLM build has no attention backend {name!r} (its "
+                                                  f"names: {', '.join(b.name for b in AttentionBackendEnum)})"}
                 continue
             both = [_pick(selected, True, shapes["mla_latent"]), _pick(selected, False, shapes["draft_head_dim"])]
             sizes = [b.get_supported_kernel_block_sizes() for b in both]
@@ -311,13 +317,19 @@ def serve_refusals(target, info: dict, dtype: str | None, extra: list[str]) -> l
             f"value of the original checkpoint's config.json (the id its tokenizer gives the media placeholder token)")
     chosen = _attention_choice(target, dtype, extra)
     pair = (info.get("eagle_attention") or {}).get(chosen)
-    if pair and not pair["common_block_sizes"]:
+    if pair and "unknown" in pair:
+        reasons.append(f"--attention-backend {chosen}: {pair['unknown']}; the server would refuse the flag")
+    elif pair and not pair["common_block_sizes"]:
         t, d = pair["target"], pair["draft"]
+        # SGLang only where this drafter can go to it (info["unavailable_engines"]: serve_refusal's)
+        other = "" if "sglang" in (info.get("unavailable_engines") or {}) else " or SGLang"
+        asked = f" (asked for {chosen})" if chosen not in ("auto", t["backend"]) else ""
         reasons.append(
-            f"this vLLM build's {t['backend']} (the MLA target's attention) takes {_block_sizes(t['block_sizes'])}, "
-            f"its {d['backend']} (the EAGLE-3 drafter's) {_block_sizes(d['block_sizes'])}: no common block size, so "
-            f"it cannot serve an EAGLE-3 drafter for an MLA target (the server would load both, then fail with 'No "
-            f"common block size'); use vLLM's GPU build or SGLang")
+            f"this vLLM build's {t['backend']}{asked} (the MLA target's attention) takes "
+            f"{_block_sizes(t['block_sizes'])}, its {d['backend']} (the EAGLE-3 drafter's) "
+            f"{_block_sizes(d['block_sizes'])}: no common block size, so it cannot serve an EAGLE-3 drafter for an "
+            f"MLA target (the server would load both, then fail with 'No common block size'); use vLLM's GPU "
+            f"build{other}")
     return reasons
 
 
