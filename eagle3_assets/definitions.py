@@ -99,6 +99,10 @@ integration_gate_job = dg.define_asset_job(
     "integration_gate", selection=["integration_drafter", "integration_check"], partitions_def=engine_partitions,
     tags=ON_PRIMARY, description="before the full training: a drafter memorising a few extracted conversations, "
                                  "served by the engine (partition) on them; eagle3_drafter waits for it to pass")
+measure_schedule_job = dg.define_asset_job(
+    "measure_schedule", selection=["speculation_schedule"], partitions_def=engine_partitions, tags=ON_PRIMARY,
+    description="the exported drafter's load curve on a real engine (partition): throughput per k at a grid of "
+                "concurrencies, and the schedule by load chosen from it, written beside the export")
 benchmark_serving_job = dg.define_asset_job(
     "benchmark_serving", selection=["serving_benchmark"], partitions_def=engine_partitions, tags=ON_PRIMARY,
     description="the exported drafter on a real engine (partition: an engine of worker/engines/) against the same server without "
@@ -127,7 +131,7 @@ def pipeline_definitions() -> dg.Definitions:
     return dg.Definitions(
         assets=pipeline_assets,
         jobs=[check_host_job, prepare_data_job, extract_hidden_states_job, extract_on_host_job, integration_gate_job,
-              train_drafter_job, benchmark_serving_job, rebenchmark_job, regression_report_job],
+              train_drafter_job, measure_schedule_job, benchmark_serving_job, rebenchmark_job, regression_report_job],
         schedules=[nightly_rebenchmark],
         sensors=[benchmark_regression_sensor, build_failover_sensor([extract_hidden_states_job])],
         resources={"gpu_host": gpu_host},

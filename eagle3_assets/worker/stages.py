@@ -31,6 +31,7 @@ STAGES = {
     "traffic_replay": _lazy("serving.traffic_replay"),
     "serve_bench": _lazy("serving.bench"),
     "serve_compare": _lazy("serving.compare"),
+    "load_curve": _lazy("serving.load_curve"),
     "engine_check": _lazy("serving.engine_check"),
 }
 

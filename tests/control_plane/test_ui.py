@@ -94,7 +94,7 @@ def test_the_catalog_shows_every_asset(ui, page):
     assert names == sorted(["host_preflight", "target_model", "prompts", "synthetic_prompts", "conversations",
                             "hidden_state_shards",
                             "vocab_mapping", "eagle3_drafter", "drafter_export", "offline_acceptance",
-                            "serving_benchmark", "benchmark_history", "benchmark_regression",
+                            "speculation_schedule", "serving_benchmark", "benchmark_history", "benchmark_regression",
                             "integration_drafter", "integration_check", "traffic", "traffic_acceptance",
                             "drift_report", "retrain_data", "retrain_conversations", "retrain_shards",
                             "challenger_drafter", "challenger_export", "promotion_gate", "production_drafter",

@@ -1,0 +1,162 @@
+"""Stage `load_curve`: one drafter's load curve on a real engine, and its speculation schedule by load.
+
+A server per k (k = 0: the target alone, then each k from 1 to the deepest asked), the same launch settings. At each
+concurrency of the grid every server serves the same requests in turn (a few batches each, the order rotating), so a
+slow spell of the host falls on all of them alike; output tokens/s and time per output token per (k, concurrency).
+The schedule is chosen from that table (eagle3_assets/common/spec_schedule.py: the best k per concurrency, k = 0
+where the target alone is faster) and written in each engine's form: `speculative_config.vllm.json` (pass it as it
+is: `vllm serve ... --speculative-config "$(cat speculative_config.vllm.json)"`) and `adaptive.sglang.json` (for
+SGLang's `--speculative-adaptive --speculative-adaptive-config`; SGLang does not run here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+import pyarrow.parquet as pq
+
+from ...common import spec_schedule
+from .. import engines
+from ..compute_dtype import choice, host_device, line
+from ..engines import load
+from ..engines.server import EngineServer, free_port, serve_preflight
+from ..errors import StageError
+from ..files import atomic_file, require_file, resolve
+from ..target.chat import first_turn_prompt
+from ..target.model import load_tokenizer
+from .bench import start_together
+
+if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
+    from ...stages.load_curve import LoadCurveArgs
+
+TURN = 2  # batches per server per turn at one concurrency
+
+
+def batch_limit(extra: list[str], cap: int) -> tuple[int, int]:
+    """(the grid's cap, the schedule's last batch size): --max-num-seqs from extra_args bounds both; without it
+    the schedule runs to 1024, past every default of vLLM 0.32 (256, 1024 on large GPUs)."""
+    seqs = None
+    for i, a in enumerate(extra):
+        if a.startswith("--max-num-seqs"):
+            seqs = int(a.split("=", 1)[1] if "=" in a else extra[i + 1])
+    return (min(cap, seqs) if seqs else cap), (seqs or 1024)
+
+
+def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
+    engine = engines.get(args.engine)
+    python = args.engine_python or sys.executable
+    target, drafter = resolve(workdir, args.target), resolve(workdir, args.drafter)
+    require_file(drafter / "config.json", "the drafter's export", "materialize drafter_export first")
+    out_dir = resolve(workdir, args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra = list(args.extra_args or [])
+    cap, max_batch = batch_limit(extra, int(args.max_concurrency))
+    grid = sorted({1, *(c for c in args.concurrencies if c <= cap)})
+    ks = list(range(0, int(args.num_speculative_tokens) + 1))
+    device = host_device()
+    dtype_info = choice(args.dtype, device)
+    info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=extra)
+    reporter.log(f"{engine.NAME} {info['version']}; {line(dtype_info)}; k {ks} at concurrencies {grid}")
+    tok = load_tokenizer(target)
+    rows = pq.read_table(require_file(resolve(workdir, args.prompts), "the prompts", "materialize them first"),
+                         columns=["id", "messages"]).to_pylist()
+    if not rows:
+        raise StageError(f"{args.prompts} holds no prompts")
+    prompts = [load.Request(r["id"], first_turn_prompt(tok, r["messages"])) for r in rows]
+    common = dict(dtype=dtype_info["dtype"], max_model_len=int(args.max_model_len), seed=int(args.seed), extra=extra,
+                  language_model_only=engine.text_only(target, info, args.language_model_only))
+    env = {**engine.SERVER_ENV, **{str(k): str(v) for k, v in (args.env or {}).items()}}
+
+    def server(k: int, taken: list[int]) -> EngineServer:
+        argv = engine.server_command(python, str(target), free_port(taken), drafter=str(drafter) if k else None,
+                                     k=max(k, 1), **common)
+        return EngineServer(f"{engine.NAME} (k={k})", argv, int(argv[argv.index("--port") + 1]),
+                            out_dir / f"server-k{k}.log", env=env, health=engine.HEALTH)
+
+    together, why = start_together(args.start_servers, len(ks), target, env, device)
+    reporter.log(why)
+    t0 = time.monotonic()
+    table: dict[int, dict[int, dict]] = {k: {} for k in ks}
+    with ExitStack() as running:
+        started: dict[int, EngineServer] = {}
+        if together:
+            t_start = time.monotonic()
+            for k in ks:
+                started[k] = running.enter_context(server(k, [s.port for s in started.values()]))
+            for srv in started.values():
+                srv.wait_ready(float(args.ready_timeout_s), reporter, since=t_start)
+                load.drive(srv.base_url, "target", prompts[:1], 4, 1)
+            for c in grid:
+                for k, got in _in_turn(started, _requests(prompts, c, args), c, int(args.max_new_tokens)).items():
+                    table[k][c] = got
+                reporter.log(_point_line(c, table))
+        else:  # a GPU host: one server at a time, the whole grid each
+            for k in ks:
+                srv = running.enter_context(server(k, []))
+                srv.wait_ready(float(args.ready_timeout_s), reporter)
+                load.drive(srv.base_url, "target", prompts[:1], 4, 1)
+                for c in grid:
+                    table[k][c] = _in_turn({k: srv}, _requests(prompts, c, args), c, int(args.max_new_tokens))[k]
+                srv.stop()
+            for c in grid:
+                reporter.log(_point_line(c, table))
+    curve = {k: {c: table[k][c]["output_tokens_per_s"] for c in grid} for k in ks}
+    schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=float(args.tolerance))
+    vllm_cfg = spec_schedule.vllm_config("eagle3", str(drafter), schedule)
+    files = {}
+    if vllm_cfg:
+        files["vllm_speculative_config"] = _write(out_dir / "speculative_config.vllm.json", spec_schedule.dumps(vllm_cfg))
+    files["sglang_adaptive_config"] = _write(out_dir / "adaptive.sglang.json",
+                                             json.dumps(spec_schedule.sglang_adaptive_config(schedule), indent=1))
+    for r in choice_rows:
+        r["tpot_ms"] = {k: table[k][r["concurrency"]].get("tpot_ms_mean") for k in ks}
+    meta = {"engine": engine.NAME, "engine_version": info["version"], **dtype_info, "grid": grid, "ks": ks,
+            "schedule": [list(r) for r in schedule], "schedule_text": spec_schedule.describe(schedule),
+            "curve": {str(k): {str(c): v for c, v in row.items()} for k, row in curve.items()},
+            "table": choice_rows, "max_batch": max_batch, "tolerance": float(args.tolerance),
+            "path": str(out_dir), "wall_s": round(time.monotonic() - t0, 1), **files,
+            "speedup_at_1": choice_rows[0]["speedup"], f"speedup_at_{grid[-1]}": choice_rows[-1]["speedup"]}
+    _write(out_dir / "load_curve.json", json.dumps(meta, indent=1, default=str))
+    reporter.log(f"schedule: {meta['schedule_text']} ({meta['wall_s']:.0f} s)")
+    reporter.materialize(metadata=meta)
+    reporter.result(meta)
+
+
+def _requests(prompts: list, c: int, args) -> list:
+    n = max(8, int(args.requests_per_point) * c)
+    return [load.Request(f"{p.id}#{i}", p.prompt_token_ids) for i, p in
+            ((i, prompts[i % len(prompts)]) for i in range(n))]
+
+
+def _in_turn(servers: dict, requests: list, c: int, max_new: int) -> dict[int, dict]:
+    """Every server on the same requests, TURN batches of `c` at a time, the order rotating each turn."""
+    keys = list(servers)
+    got = {k: ([], 0.0) for k in keys}
+    size = TURN * c
+    for t, i in enumerate(range(0, len(requests), size)):
+        part = requests[i: i + size]
+        for k in keys[t % len(keys):] + keys[: t % len(keys)]:
+            responses, wall = load.drive(servers[k].base_url, "target", part, max_new, c)
+            failed = [x for x in responses if x.error]
+            if failed:
+                why = servers[k].died(wait_s=10)
+                raise StageError(f"{len(failed)}/{len(responses)} requests to the k={k} server at concurrency {c} "
+                                 f"failed, first: {failed[0].error}" + (f"\n{why}" if why else ""))
+            got[k] = (got[k][0] + responses, got[k][1] + wall)
+    return {k: load.summarize(*got[k]) for k in keys}
+
+
+def _point_line(c: int, table: dict) -> str:
+    base = table[0][c]["output_tokens_per_s"] or 0.0
+    return f"concurrency {c}: " + ", ".join(
+        f"k={k} {table[k][c]['output_tokens_per_s']:.1f} tok/s" + (f" ({table[k][c]['output_tokens_per_s'] / base:.2f}x)"
+                                                                   if k and base else "") for k in sorted(table))
+
+
+def _write(path, text: str) -> str:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return str(path)
