@@ -1,4 +1,5 @@
 import time
+from typing import Literal
 
 import dagster as dg
 from pydantic import Field
@@ -10,7 +11,8 @@ from ..hosts import GpuHost
 from ..stages.serve_bench import ServeBenchSettings
 from .partitions import engine_partitions
 from .paths import PROMPT_SETS
-from .upstream import upstream_metadata
+from .speculation_schedule import SCHEDULE_CHECK, schedule_check, schedule_for
+from .upstream import exported_checkpoint, upstream_metadata
 
 HISTORY = "benchmarks/serving_history.parquet"
 CONSISTENCY = "acceptance_matches_offline"
@@ -37,13 +39,12 @@ class ServingBenchmarkConfig(dg.Config, ServeBenchSettings):
                                                        "reference must use the same for the consistency check")
     min_ratio_to_offline: float = Field(default=0.7, ge=0, description="engine acceptance length below this fraction "
                                                                  "of offline_acceptance's fails the check")
-
-
-def _exported_checkpoint(context) -> str:
-    """The drafter version the served export was made from (not simply the latest drafter: a newer one may
-    not have been exported yet)."""
-    ev = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_export"))
-    return ev.asset_materialization.tags.get("dagster/input_data_version/eagle3_drafter", "unknown")
+    schedule: Literal["auto", "off"] = Field(
+        default="auto", description="auto: serve the drafter with the speculation_schedule measured for this "
+        "checkpoint on this engine, when there is one, at every concurrency of its grid too; off: a fixed "
+        "num_speculative_tokens")
+    schedule_tolerance: float = Field(default=0.03, ge=0, lt=0.5, description="the scheduled server may fall this "
+                                      "share below the better of the target alone and the best fixed k")
 
 
 @dg.asset(group_name="serving", kinds=set(NAMES), partitions_def=engine_partitions, pool="gpu_host",
@@ -52,7 +53,13 @@ def _exported_checkpoint(context) -> str:
                                          description="engine acceptance length vs our offline reference for the same "
                                                      "checkpoint: far below it is an integration fault"),
                        dg.AssetCheckSpec(SPEEDUP, asset="serving_benchmark",
-                                         description="speculation makes serving faster than the same server without it")])
+                                         description="speculation makes serving faster than the same server without "
+                                                     "it, at every concurrency measured"),
+                       dg.AssetCheckSpec(SCHEDULE_CHECK, asset="serving_benchmark",
+                                         additional_deps=["speculation_schedule"],
+                                         description="served with its speculation schedule, never slower than the "
+                                                     "better of the target alone and the best fixed k, at any "
+                                                     "concurrency measured")])
 def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmarkConfig, gpu_host: GpuHost):
     """The exported drafter served by a real engine (partition: vllm, sglang, ...) on the host, against the
     same server without speculation: acceptance as the engine counts it, throughput, TTFT, TPOT and speedup
@@ -66,17 +73,25 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
         raise dg.Failure(description=f"drafter_export has no {engine} export (dialects {export.get('dialects')})"
                                      + (f": it was left out because {why}" if why else
                                         f": materialize drafter_export with {engine} among its dialects"))
-    checkpoint = _exported_checkpoint(context)
+    checkpoint = exported_checkpoint(context)
+    sched, why = schedule_for(context.instance, engine, checkpoint) if config.schedule == "auto" else (
+        None, "schedule: off in the benchmark's config")
+    scheduled = {}
+    if sched is not None:
+        scheduled = {"schedule": sched["schedule"], "concurrencies": sorted({*config.concurrencies, *sched["grid"]})}
+        context.log.info(f"serving {why}, at concurrencies {scheduled['concurrencies']}")
     run = gpu_host.run_stage(context, "serve_bench", {
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
         "drafter": export[f"{engine}_path"], "trained_drafter": export["source"],
         "prompts": PROMPT_SETS[config.eval_set], "prompt_set": config.eval_set, "checkpoint": checkpoint,
         "history": HISTORY, "out_dir": f"benchmarks/{engine}/{checkpoint[:12]}-{time.strftime('%Y%m%d-%H%M%S')}",
-        **config.model_dump(exclude={"eval_set", "min_ratio_to_offline"})})
+        **config.model_dump(exclude={"eval_set", "min_ratio_to_offline", "schedule", "schedule_tolerance"}),
+        **scheduled})
     meta = run.result["metadata"]
     result = run.materialize_result(history=HISTORY, acceptance_chart=dg.MetadataValue.md(acceptance_chart(context, meta)))
     return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version,
-                                check_results=[consistency(context, meta, config), speedup(meta)])
+                                check_results=[consistency(context, meta, config), speedup(meta),
+                                               schedule_check(meta, sched, why, config.schedule_tolerance)])
 
 
 def acceptance_chart(context, meta: dict) -> str:

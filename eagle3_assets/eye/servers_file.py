@@ -34,6 +34,7 @@ class Server(BaseModel):
     timeout_s: float = Field(default=5.0, gt=0)
     restart: list[str] | None = Field(default=None, description="how a rollout puts another drafter on this server: a "
                                       "command run on the Dagster machine, {drafter} replaced by the export's path "
+                                      "and {speculative_config} by the path of its speculation schedule's config "
                                       "(e.g. [systemctl, restart, 'vllm@{drafter}'], or a script around kubectl); "
                                       "None: the server is left to you")
     restart_timeout_s: float = Field(default=600.0, gt=0, description="a restart command still running after this "

@@ -19,13 +19,32 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from ..common.secrets import scrub
 from ..eye.servers_file import Server
 
+SPEC_CONFIG = "{speculative_config}"
+
+
+def launch_file(drafter: str, engine: str) -> Path:
+    """The speculative config the speculation schedule wrote beside an export (exports/<v>/<engine>-launch/)."""
+    name = "speculative_config.vllm.json" if engine == "vllm" else "adaptive.sglang.json"
+    return Path(drafter).parent / f"{engine}-launch" / name
+
 
 def command(server: Server, drafter: str) -> list[str]:
-    return [part.replace("{drafter}", drafter) for part in server.restart or []]
+    """The restart command with {drafter} (the export's path) and {speculative_config} (the path of the file its
+    speculation schedule wrote beside it: the server starts with the schedule by load measured for that drafter)."""
+    parts = [part.replace("{drafter}", drafter) for part in server.restart or []]
+    if any(SPEC_CONFIG in part for part in parts):
+        spec = launch_file(drafter, server.engine)
+        if not spec.is_file():
+            raise FileNotFoundError(f"the restart command asks for {SPEC_CONFIG} but {spec} does not exist: "
+                                    "materialize speculation_schedule for this drafter, or take the placeholder out "
+                                    "of the servers file")
+        parts = [part.replace(SPEC_CONFIG, str(spec)) for part in parts]
+    return parts
 
 
 def healthy(url: str, timeout_s: float = 5.0) -> bool:
@@ -79,7 +98,10 @@ def run_command(argv: list[str], timeout_s: float) -> str | None:
 
 def restart(server: Server, drafter: str, log: Callable[[str], None]) -> str | None:
     """Restart the server with `drafter` and wait for it: None when it is up and serving it, else why not."""
-    argv = command(server, drafter)
+    try:
+        argv = command(server, drafter)
+    except FileNotFoundError as e:
+        return str(e)
     # the program only: a team's restart command may carry a token (kubectl --token=...), and logs are widely read
     log(f"{server.name}: restarting with {drafter} ({scrub(argv[0]) if argv else 'no command'} ...)")
     if why := run_command(argv, server.restart_timeout_s):

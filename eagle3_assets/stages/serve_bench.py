@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from ..common import spec_schedule
 from .base import (
     DEFAULT_ENGINE,
     DTYPE_HELP,
@@ -51,6 +52,15 @@ class ServeBenchArgs(Args, ServeBenchSettings):
     checkpoint: str | None = Field(default=None, description="the drafter's data version, for the history")
     history: str = Field(description="the Parquet history a row per measurement is appended to")
     out_dir: str = Field(description="this benchmark's reports")
+    schedule: list[list[int]] | None = Field(default=None, description="serve the drafter with this speculation "
+                                             "schedule ([first, last, k] batch-size ranges, speculation_schedule's) "
+                                             "instead of a fixed num_speculative_tokens")
+
+    @field_validator("schedule")
+    @classmethod
+    def _a_schedule_an_engine_takes(cls, v):
+        """Refused here, before any server starts, naming the range."""
+        return None if v is None else [list(r) for r in spec_schedule.check(v)]
 
 
 class ServeBenchResult(Result):

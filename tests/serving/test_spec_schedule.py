@@ -107,3 +107,63 @@ def test_the_speedup_check_is_judged_at_every_measured_concurrency():
     assert "1.20x" not in loses.description and loses.metadata["lowest_speedup"].value == 0.81
     pays = speedup({"speedup": 1.46, "speedup_c1": 1.46, "speedup_c16": 1.0})
     assert pays.passed and pays.metadata["concurrencies"].value == [1, 16]
+
+
+def test_a_bad_schedule_is_refused_by_the_benchmark_before_any_server_starts():
+    from eagle3_assets.stages import validate
+    from eagle3_assets.stages.base import ArgsError
+
+    args = {"target": "t", "drafter": "d", "prompts": "p.parquet", "history": "h.parquet", "out_dir": "o"}
+    with pytest.raises(ArgsError) as e:
+        validate("serve_bench", {**args, "schedule": [[1, 4, 3], [4, 16, 0]]})
+    assert "schedule: ranges [1, 4, 3] and [4, 16, 0] overlap at batch size 4" in str(e.value), str(e.value)
+    with pytest.raises(ArgsError, match=r"range \[2, 16, 3\]: the first range must start at batch size 1"):
+        validate("serve_bench", {**args, "schedule": [[2, 16, 3]]})
+    assert validate("serve_bench", {**args, "schedule": [[1, 4, 3], [5, 1024, 0]]}).schedule == [[1, 4, 3], [5, 1024, 0]]
+
+
+def test_the_engines_are_started_with_the_schedule_in_their_own_flags():
+    from eagle3_assets.worker.engines import sglang, vllm
+
+    schedule = [(1, 4, 3), (5, 1024, 0)]
+    common = dict(k=1, dtype="bfloat16", max_model_len=2048, seed=0, extra=[])
+    argv = vllm.server_command("python", "/models/t", 8000, drafter="/exports/vllm", schedule=schedule, **common)
+    cfg = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert cfg == {"method": "eagle3", "model": "/exports/vllm", "num_speculative_tokens": 3,
+                   "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 1024, 0]]}
+    never = vllm.server_command("python", "/models/t", 8000, drafter="/exports/vllm", schedule=[(1, 1024, 0)], **common)
+    assert "--speculative-config" not in never  # a schedule that never drafts serves the target alone
+    argv = sglang.server_command("python", "/models/t", 30000, drafter="/exports/sglang", schedule=schedule, **common)
+    assert argv[argv.index("--speculative-num-steps") + 1] == "3" and "--speculative-adaptive" in argv
+    adaptive = json.loads(Path(argv[argv.index("--speculative-adaptive-config") + 1]).read_text())
+    assert adaptive == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}
+
+
+@pytest.mark.skipif(not SGLANG_SRC.exists() and os.environ.get("CI") != "true",
+                    reason="the SGLang 0.5.14 source is fetched by `.ci/setup --tests`")
+def test_sglang_0_5_14_declares_the_adaptive_flags_we_pass():
+    tree = ast.parse((SGLANG_SRC / "srt" / "server_args.py").read_text(encoding="utf-8-sig"))
+    args = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
+    fields = {n.target.id for n in args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {"speculative_adaptive", "speculative_adaptive_config", "speculative_num_steps"} <= fields
+
+
+def test_the_rollouts_restart_gets_the_schedule_measured_for_the_drafter(tmp_path):
+    from eagle3_assets.eye.servers_file import Server
+    from eagle3_assets.loop import restart
+
+    export = tmp_path / "exports" / "abc123" / "vllm"
+    export.mkdir(parents=True)
+    server = Server(name="prod", url="http://127.0.0.1:9", restart=[
+        "python", "-m", "eagle3_assets.worker.serving.prod_server", "restart", "--drafter", "{drafter}",
+        "--speculative-config", "{speculative_config}"], restart_timeout_s=5, ready_timeout_s=1)
+    # no schedule measured for it: refused before anything runs, saying what to do
+    why = restart.restart(server, str(export), lambda _: None)
+    assert why and "materialize speculation_schedule for this drafter" in why and "{speculative_config}" in why
+    launch = export.parent / "vllm-launch"
+    launch.mkdir()
+    (launch / "speculative_config.vllm.json").write_text(ss.dumps(ss.vllm_config("eagle3", str(export),
+                                                                                 [(1, 4, 3), (5, 1024, 0)])))
+    argv = restart.command(server, str(export))
+    assert argv[argv.index("--drafter") + 1] == str(export)
+    assert argv[argv.index("--speculative-config") + 1] == str(launch / "speculative_config.vllm.json")

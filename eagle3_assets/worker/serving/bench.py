@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...common import spec_schedule
 from ...common.launch import launch_facts
 from .. import engines
 from ..engines import load
@@ -163,6 +164,9 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     drafter = resolve(workdir, args.drafter)
     prompts_path = require_file(resolve(workdir, args.prompts), "eval prompts", "materialize the prompts asset first")
     k, max_new = int(args.num_speculative_tokens), int(args.max_new_tokens)
+    schedule = args.schedule
+    if schedule:  # k per batch size: acceptance is counted over the deepest k the schedule drafts
+        k = max(r[2] for r in schedule) or k
     concurrencies = [int(c) for c in args.concurrencies]
     out_dir = resolve(workdir, args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +204,8 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
 
     def server(mode: str, levels: list[int], taken: list[int]) -> EngineServer:
         argv = engine.server_command(python, str(target), free_port(taken), drafter=str(drafter)
-                                     if mode == "eagle3" else None, **common)
+                                     if mode == "eagle3" else None, **common,
+                                     **({"schedule": schedule} if schedule and mode == "eagle3" else {}))
         return EngineServer(f"{engine.NAME} ({mode})", argv, int(argv[argv.index("--port") + 1]),
                             out_dir / f"server-{mode}-c{'-'.join(map(str, levels))}.log", env=env, health=engine.HEALTH)
 
@@ -235,6 +240,8 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
     summary["metadata"].update(dtype_info, language_model_only=text_only, **facts)
+    if schedule:
+        summary["metadata"].update(schedule=schedule, schedule_text=spec_schedule.describe([tuple(r) for r in schedule]))
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)
                                             if args.trained_drafter else None, target))
     append_history(history, summary["rows"], reporter, moved)

@@ -10,6 +10,7 @@ eagle3_assets/story/serving_loop.py: restart_command). Not a stage: a script for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -41,9 +42,14 @@ def stop(d: Path) -> None:
     pidfile.unlink()
 
 
-def start(d: Path, port: int, target: str, drafter: str) -> int:
-    argv = vllm.server_command(sys.executable, target, port, drafter=drafter, k=3, dtype="float32", max_model_len=1024,
-                               seed=0, extra=["--enforce-eager"])
+def start(d: Path, port: int, target: str, drafter: str, spec_config: str | None = None) -> int:
+    """`spec_config`: a speculative config file (the speculation schedule's) the server starts with, its drafter
+    path replaced by `drafter` (this machine's copy); else k = 3 at every batch size."""
+    argv = vllm.server_command(sys.executable, target, port, drafter=None if spec_config else drafter, k=3,
+                               dtype="float32", max_model_len=1024, seed=0, extra=["--enforce-eager"])
+    if spec_config:
+        cfg = {**json.loads(Path(spec_config).read_text()), "model": drafter}
+        argv += ["--speculative-config", json.dumps(cfg)]
     log = open(d / "server.log", "ab")
     proc = subprocess.Popen(argv, env={**os.environ, **vllm.SERVER_ENV}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -59,6 +65,8 @@ def main() -> int:
     ap.add_argument("--port", type=int)
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--speculative-config", help="a speculative config file to start with (the speculation "
+                    "schedule's speculative_config.vllm.json: {speculative_config} in a restart command)")
     ap.add_argument("--drafter-root", help="this machine's copy of the exports: the drafter is read from "
                     "<root>/<its export directory>/<dialect> (a drafter nobody copied there is missing)")
     a = ap.parse_args()
@@ -69,7 +77,7 @@ def main() -> int:
         drafter = a.drafter
         if a.drafter_root:  # where this machine keeps its copies of the exports
             drafter = str(Path(a.drafter_root) / Path(drafter).parent.name / Path(drafter).name)
-        start(d, a.port, a.target, drafter)
+        start(d, a.port, a.target, drafter, a.speculative_config)
     return 0
 
 

