@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="the deepest k measured")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--requests-per-point", type=int, default=2)
+    ap.add_argument("--no-verify", action="store_true", help="skip serving the schedule beside the target alone "
+                    "(serve_bench at every concurrency of the grid, as serving_benchmark verifies it)")
     a = ap.parse_args()
     import pyarrow.parquet as pq
 
@@ -54,6 +56,21 @@ def main() -> None:
            "grid": meta["grid"], "schedule": meta["schedule"], "schedule_text": meta["schedule_text"],
            "table": meta["table"], "sweep_s": meta["wall_s"], "stage_s": out["_wall_s"],
            "load_before": load, "load_after": [round(x, 2) for x in os.getloadavg()]}
+    if not a.no_verify:
+        vmeta, vres = stage(w, "serve_bench", {"target": res["path"], "drafter": exp["vllm_path"],
+                                               "prompts": "prompts/test.parquet", "limit": None,
+                                               "max_new_tokens": a.tokens, "concurrencies": meta["grid"],
+                                               "schedule": meta["schedule"], "baseline": True, "max_model_len": 2048,
+                                               "extra_args": ["--enforce-eager"], "out_dir": "verify",
+                                               "history": "verify/history.parquet", "prompt_set": "test"})
+        fixed = {r["concurrency"]: max(r[f"k{k}_tok_s"] for k in meta["ks"] if k) / r["k0_tok_s"] for r in meta["table"]}
+        row["verify"] = [{"concurrency": c, "scheduled_tok_s": vmeta.get(f"output_tokens_per_s_c{c}"),
+                          "target_tok_s": vmeta.get(f"baseline_output_tokens_per_s_c{c}"),
+                          "scheduled_speedup": vmeta.get(f"speedup_c{c}"), "best_fixed_k_speedup": round(fixed[c], 3),
+                          "vs_better": round(vmeta[f"speedup_c{c}"] / max(1.0, fixed[c]), 3)
+                          if vmeta.get(f"speedup_c{c}") else None} for c in meta["grid"]]
+        row["verify_s"] = vres["_wall_s"]
+        row["acceptance_length_c1"] = vmeta.get("acceptance_length_c1")
     with (ROOT / "bench" / "results" / "load_curve.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))

@@ -26,7 +26,7 @@ class LoadCurveSettings(ServeBenchSettings):
                                         "(every k from 1 up to it): the drafter's trained depth or less")
     max_new_tokens: int = Field(default=64, gt=0)
     requests_per_point: int = Field(default=2, gt=0, description="requests per server at each concurrency, as a "
-                                    "multiple of the concurrency (at least 8): enough for the batch to stay full")
+                                    "multiple of the concurrency (at least 16): enough for the batch to stay full")
     tolerance: float = Field(default=0.03, ge=0, lt=0.5, description="a k is kept from the concurrency below "
                              "while within this share of the best (noise does not flip ranges)")
 

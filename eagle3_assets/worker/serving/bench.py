@@ -141,6 +141,16 @@ def available_memory() -> int | None:
     return None
 
 
+def at_load(requests: list, c: int) -> list:
+    """The eval prompts, repeated (ids suffixed) to at least twice the concurrency: a concurrency of 16 measured on
+    8 prompts would never have more than 8 in flight. The lowest concurrency's figures, on the prompts as given,
+    stay the ones compared with offline_acceptance."""
+    if len(requests) >= 2 * c:
+        return requests
+    return [load.Request(f"{r.id}#{i // len(requests)}" if i >= len(requests) else r.id, r.prompt_token_ids)
+            for i, r in ((i, requests[i % len(requests)]) for i in range(2 * c))]
+
+
 def _measure_server(engine, server: EngineServer, mode: str, levels: list[int], requests: list, concurrencies: list,
                     max_new: int, k: int, reporter, ready: float, results: dict, texts: dict, out_dir: Path) -> None:
     spec = mode == "eagle3"
@@ -149,7 +159,7 @@ def _measure_server(engine, server: EngineServer, mode: str, levels: list[int], 
         if warm[0].error:
             raise StageError(f"{server.name} refused its first request: {warm[0].error}")
     for c in levels:
-        figures, responses = measure(engine, server, requests, c, max_new, k, reporter, spec)
+        figures, responses = measure(engine, server, at_load(requests, c), c, max_new, k, reporter, spec)
         figures["server_ready_s"] = round(ready, 1)
         results[(mode, c)] = figures
         if c == min(concurrencies):
