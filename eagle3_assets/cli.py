@@ -91,6 +91,11 @@ def materialize(args) -> int:
     if export is not None:  # the figure the recipe's time budget is about: data to a servable drafter
         print(f"==> from the start to a servable drafter (drafter_export): {export.timestamp - started:.0f} s",
               flush=True)
+    # production serves many requests at once: the schedule by load ships with the drafter, and the benchmark
+    # verifies it at every concurrency of its grid (serving_benchmark's schedule: auto)
+    if not run("measure_schedule", ["speculation_schedule"], DEFAULT, f"speculation_schedule {DEFAULT}"):
+        return 1
+    _print_schedule(instance, DEFAULT)
     if not run("benchmark_serving", ["serving_benchmark"], DEFAULT, f"serving_benchmark {DEFAULT}"):
         return 1
     took = time.monotonic() - t0
@@ -98,6 +103,21 @@ def materialize(args) -> int:
                                          if deadline is not None else "")
           + f": {len(keys)} shards; open the UI with `dagster dev -w workspace.yaml`", flush=True)
     return 0
+
+
+def _print_schedule(instance, engine: str) -> None:
+    """The load curve's headline: the schedule, and speculation's speedup alone and at the highest load measured."""
+    import dagster as dg
+
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("speculation_schedule"), asset_partitions=[engine]), limit=1).records
+    if recs:
+        m = {k: v.value for k, v in recs[0].event_log_entry.asset_materialization.metadata.items()}
+        first, last, deepest = m["table"][0], m["table"][-1], max(m["ks"])
+        fixed = last[f"k{deepest}_tok_s"] / last["k0_tok_s"]
+        print(f"==> speculation schedule {engine}: {m['schedule_text']}; {first['speedup']:.2f}x the target alone at 1 "
+              f"request, {last['speedup']:.2f}x at {last['concurrency']} at once (a fixed k={deepest}: {fixed:.2f}x "
+              f"there); measured in {m['wall_s']:.0f} s", flush=True)
 
 
 def _integration_gate(instance, run_config: dict, run) -> bool:
