@@ -77,6 +77,11 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
     sched, why = schedule_for(context.instance, engine, checkpoint) if config.schedule == "auto" else (
         None, "schedule: off in the benchmark's config")
     scheduled = {}
+    if sched is not None and not any(k for _, _, k in sched["schedule"]):
+        sched, why = None, (f"the schedule measured for {checkpoint[:12]} never drafts ({sched['schedule_text']}): this "
+                            f"drafter pays at no load measured on {engine}; benchmarked at a fixed k, serve the "
+                            "target alone")
+        context.log.warning(why)
     if sched is not None:
         scheduled = {"schedule": sched["schedule"], "concurrencies": sorted({*config.concurrencies, *sched["grid"]})}
         context.log.info(f"serving {why}, at concurrencies {scheduled['concurrencies']}")

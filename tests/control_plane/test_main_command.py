@@ -25,6 +25,9 @@ ops:
   vocab_mapping: {config: {draft_vocab_size: 128}}
   eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
   offline_acceptance: {config: {limit: 2, max_new_tokens: 8}}
+  speculation_schedule: {config: {concurrencies: [1, 4], num_speculative_tokens: 1, max_new_tokens: 8,
+                                  requests_per_point: 1, dtype: float32, max_model_len: 1024,
+                                  extra_args: [--enforce-eager]}}
   serving_benchmark: {config: {limit: 2, max_new_tokens: 8, concurrencies: [1], baseline: false, dtype: float32,
                                max_model_len: 1024, extra_args: [--enforce-eager]}}
 """
@@ -46,6 +49,7 @@ def home(tmp_path_factory):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "==> done" in done.stdout and f"(deadline {DEADLINE_S} s)" in done.stdout
     assert "==> training time budget" in done.stdout
+    assert "==> speculation schedule vllm: 1-" in done.stdout  # measured and shipped, its headline printed
     return home
 
 
@@ -121,8 +125,9 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
                                                 "challenger_drafter", "challenger_export", "promotion_gate",
                                                 "production_drafter", "rollout")}}
         runs = data["runsOrError"]["results"]
-        # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, benchmark_serving (vllm)
-        assert len(runs) == 7 and all(r["status"] == "SUCCESS" for r in runs)
+        # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, measure_schedule and
+        # benchmark_serving (vllm)
+        assert len(runs) == 8 and all(r["status"] == "SUCCESS" for r in runs)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -136,7 +136,7 @@ def test_the_asset_graph_page_as_the_docs_show_it(ui, page, tmp_path):
     page.locator("body").click(position={"x": 900, "y": 800})  # focus the graph, then its "Expand all groups" key
     page.keyboard.press("Alt+KeyE")
     # the graph opens on its upper left and draws only the nodes in view (long names are cut)
-    for name in ("target_model", "prompts", "offline_acceptance", "serving_benchmark"):
+    for name in ("target_model", "prompts", "offline_acceptance", "drafter_export"):
         page.get_by_text(name, exact=True).first.wait_for()
     page.wait_for_timeout(2000)
     page.mouse.move(1100, 600)  # the graph opens zoomed in past the window: out, by ctrl+wheel as a person would
