@@ -20,6 +20,7 @@ from eagle3_assets.assets.drafter import DrafterConfig
 from eagle3_assets.assets.export import ExportConfig
 from eagle3_assets.assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.assets.serving import ServingBenchmarkConfig
+from eagle3_assets.assets.speculation_schedule import ScheduleConfig
 from eagle3_assets.assets.synthetic_prompts import SyntheticPromptsConfig
 from eagle3_assets.assets.target import TargetModelConfig
 from eagle3_assets.assets.vocab import VocabConfig
@@ -87,7 +88,8 @@ CONFIGS = [
     (DrafterConfig, "train", {"integration_gate", "integration_engine"}),
     (ExportConfig, "export", set()),
     (OfflineAcceptanceConfig, "speculate", {"eval_set"}),
-    (ServingBenchmarkConfig, "serve_bench", {"eval_set", "min_ratio_to_offline"}),
+    (ServingBenchmarkConfig, "serve_bench", {"eval_set", "min_ratio_to_offline", "schedule", "schedule_tolerance"}),
+    (ScheduleConfig, "load_curve", {"eval_set"}),
 ]
 
 
