@@ -141,6 +141,26 @@ def available_memory() -> int | None:
     return None
 
 
+def drive_in_turn(servers: dict, parts: list[list], c: int, max_new: int, name, on_part=None) -> dict:
+    """Every server on each part of the requests in turn, `c` in flight, the order rotating each part, so that a slow
+    spell of the host falls on all of them alike: {key: (responses, wall seconds)}. A failed request stops it,
+    naming the server (`name(key)`) and, where it died, why."""
+    keys = list(servers)
+    got = {key: ([], 0.0) for key in keys}
+    for t, part in enumerate(parts):
+        for key in keys[t % len(keys):] + keys[: t % len(keys)]:
+            responses, wall = load.drive(servers[key].base_url, "target", part, max_new, c)
+            failed = [x for x in responses if x.error]
+            if failed:
+                why = servers[key].died(wait_s=10)
+                raise StageError(f"{len(failed)}/{len(responses)} requests to {name(key)} failed, first: "
+                                 f"{failed[0].error}" + (f"\n{why}" if why else ""))
+            got[key] = (got[key][0] + responses, got[key][1] + wall)
+        if on_part:
+            on_part(t)
+    return got
+
+
 def at_load(requests: list, c: int) -> list:
     """The eval prompts, repeated (ids suffixed) to at least twice the concurrency: a concurrency of 16 measured on
     8 prompts would never have more than 8 in flight. The lowest concurrency's figures, on the prompts as given,

@@ -21,7 +21,7 @@ from ..errors import StageError
 from ..files import require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import measure, start_together
+from .bench import drive_in_turn, measure, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_compare import ServeCompareArgs
@@ -126,18 +126,11 @@ def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int
     refused a challenger 21 % better on the new traffic for its speed."""
     labels = list(servers)
     before = {label: engine.measure_start(srv) for label, srv in servers.items()}
-    got: dict[str, tuple[list, float]] = {label: ([], 0.0) for label in labels}
-    rounds = [requests[i: i + max(ROUND, c)] for i in range(0, len(requests), max(ROUND, c))]
-    for r, part in enumerate(rounds):
-        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
-            responses, wall = load.drive(servers[label].base_url, "target", part, max_new, c)
-            failed = [x for x in responses if x.error]
-            if failed:
-                why = servers[label].died(wait_s=10)
-                raise StageError(f"{len(failed)}/{len(responses)} requests to {engine.NAME} ({label}) failed, first: "
-                                 f"{failed[0].error}" + (f"\n{why}" if why else ""))
-            got[label] = (got[label][0] + responses, got[label][1] + wall)
-        reporter.log(f"{min(len(requests), (r + 1) * max(ROUND, c))}/{len(requests)} requests on each server")
+    step = max(ROUND, c)
+    rounds = [requests[i: i + step] for i in range(0, len(requests), step)]
+    got = drive_in_turn(servers, rounds, c, max_new, lambda label: f"{engine.NAME} ({label})",
+                        on_part=lambda r: reporter.log(f"{min(len(requests), (r + 1) * step)}/{len(requests)} "
+                                                       "requests on each server"))
     out = {}
     for label in labels:
         out[label] = load.summarize(*got[label])

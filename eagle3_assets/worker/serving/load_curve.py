@@ -27,7 +27,7 @@ from ..errors import StageError
 from ..files import atomic_file, require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import start_together
+from .bench import drive_in_turn, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.load_curve import LoadCurveArgs
@@ -139,18 +139,9 @@ def _in_turn(servers: dict, requests: list, c: int, max_new: int) -> dict[int, d
     keys = list(servers)
     for k in keys:
         load.drive(servers[k].base_url, "target", requests[:c], 8, c)
-    got = {k: ([], 0.0) for k in keys}
     size = TURN * c
-    for t, i in enumerate(range(0, len(requests), size)):
-        part = requests[i: i + size]
-        for k in keys[t % len(keys):] + keys[: t % len(keys)]:
-            responses, wall = load.drive(servers[k].base_url, "target", part, max_new, c)
-            failed = [x for x in responses if x.error]
-            if failed:
-                why = servers[k].died(wait_s=10)
-                raise StageError(f"{len(failed)}/{len(responses)} requests to the k={k} server at concurrency {c} "
-                                 f"failed, first: {failed[0].error}" + (f"\n{why}" if why else ""))
-            got[k] = (got[k][0] + responses, got[k][1] + wall)
+    parts = [requests[i: i + size] for i in range(0, len(requests), size)]
+    got = drive_in_turn(servers, parts, c, max_new, lambda k: f"the k={k} server at concurrency {c}")
     return {k: load.summarize(*got[k]) for k in keys}
 
 
