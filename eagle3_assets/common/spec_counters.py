@@ -51,6 +51,34 @@ def vllm_counters(text: str) -> dict:
     return out
 
 
+def vllm_load(text: str) -> dict:
+    """vLLM's load as it stands (`v1/metrics/loggers.py`): requests running and waiting now (gauges), output tokens
+    generated, and the finished requests' summed end-to-end and queued seconds (counters, differenced by
+    `load_between`)."""
+    samples = parse_prometheus(text)
+    return {"requests_running": total(samples, "vllm:num_requests_running"),
+            "requests_waiting": total(samples, "vllm:num_requests_waiting"),
+            "generation_tokens": total(samples, "vllm:generation_tokens"),
+            "e2e_seconds": total(samples, "vllm:e2e_request_latency_seconds_sum"),
+            "queued_seconds": total(samples, "vllm:request_queue_time_seconds_sum"),
+            "finished": total(samples, "vllm:e2e_request_latency_seconds_count")}
+
+
+def load_between(before: dict, after: dict, seconds: float) -> dict:
+    """The load of a window between two reads: output tokens/s, and the mean batch (requests running at once, the
+    size a speculation schedule is keyed by) by Little's law: the seconds the requests that finished in it spent
+    running (end to end less queued), over its length; a gauge read once a window would miss every burst between
+    reads. {} where the window has no length or the reads lack the counters."""
+    if seconds <= 0 or any(k not in before or k not in after for k in ("generation_tokens", "e2e_seconds")):
+        return {}
+    made = int(after["generation_tokens"] - before["generation_tokens"])
+    return {"generation_tokens": made, "generation_tokens_per_s": round(made / seconds, 2),
+            "mean_requests_running": round(max(0.0, after["e2e_seconds"] - before["e2e_seconds"]
+                                               - after.get("queued_seconds", 0) + before.get("queued_seconds", 0))
+                                           / seconds, 3),
+            "requests_finished": int(after.get("finished", 0) - before.get("finished", 0))}
+
+
 def restarted(before: dict, after: dict) -> bool:
     """Counters only grow while a server lives: one that went back means the server started again."""
     return any(after.get(c, 0) < before.get(c, 0) for c in COUNTERS)

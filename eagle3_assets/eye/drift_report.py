@@ -69,6 +69,37 @@ def _live_series(context, server: str, drafter: str | None) -> str:
             f"first {values[0]:.3f}, last {values[-1]:.3f}, min {min(values):.3f}, max {max(values):.3f}")
 
 
+LOAD_MOVED = 1.5  # the mean batch grew or shrank by this factor (and by a request at least): the load moved
+
+
+def load_moved(context, server: str, window_s: float) -> tuple[dict, str]:
+    """Whether the load moved with the traffic: the server's mean batch (requests running at once, by Little's law,
+    live_acceptance.py) over the drift's window against the day before it, each window weighted by its length."""
+    now = time.time()
+    obs = [o for o in served.observations(context.instance, server, since=now - 86400)
+           if o.get("mean_requests_running") is not None and o.get("window_s")]
+
+    def mean(picked):
+        secs = sum(float(o["window_s"]) for o in picked)
+        return (sum(float(o["mean_requests_running"]) * float(o["window_s"]) for o in picked) / secs, secs) \
+            if secs else (None, 0)
+
+    recent, before = mean([o for o in obs if o["t"] >= now - window_s]), mean([o for o in obs if o["t"] < now - window_s])
+    if recent[0] is None:
+        return {}, "**Load**: no load figures in the window (a server that is not vLLM, or no second read yet)."
+    meta = {"mean_batch_in_window": round(recent[0], 3)}
+    if before[0] is None:
+        return meta, (f"**Load**: {recent[0]:.2f} requests running at once on average over the window; no load "
+                      "figures from before it to compare.")
+    lo, hi = sorted((recent[0], before[0]))
+    moved = hi - lo >= 1 and hi >= lo * LOAD_MOVED
+    meta.update(mean_batch_before=round(before[0], 3), load_moved="yes" if moved else "no")
+    return meta, (f"**Load** ({'moved' if moved else 'steady'}): {recent[0]:.2f} requests running at once on average "
+                  f"over the window, {before[0]:.2f} over the {before[1] / 3600:.1f} h observed before it"
+                  + (": the acceptance fell as the load changed; the speculation schedule's k at the new batch sizes "
+                     "is worth a look (speculation_schedule)." if moved else "."))
+
+
 def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
     """The report: the signals, the served drafter's figures, and where the traffic's acceptance fell."""
     settings = drift_settings()
@@ -91,6 +122,10 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                          f"{config.window_s} s at an acceptance length of {config.live_acceptance_length:.3f}, "
                          f"{live_drop:.1%} below the drafter's benchmarked {config.benchmark_acceptance_length:.3f} "
                          f"({config.benchmark_from}; threshold {settings.live_drop:.0%}).")
+    if config.server:
+        load_meta, load_line = load_moved(context, config.server, config.window_s or settings.window_s)
+        meta.update(load_meta)
+        lines.append(load_line)
     reference = replay.get("eval_acceptance_length")
     if replay:
         meta.update(traffic_day=rec.event_log_entry.asset_materialization.partition,

@@ -25,6 +25,7 @@ from concurrent.futures import wait as wait_for
 
 import dagster as dg
 
+from ..assets.speculation_schedule import schedule_for
 from ..common import spec_counters
 from . import served
 from .servers_file import DEFAULT_INTERVAL_S, Server, ServersFile, asset_key
@@ -69,13 +70,15 @@ def read(server: Server, timeout_s: float | None = None) -> dict:
     server = server.model_copy(update={"timeout_s": min(server.timeout_s, timeout_s or server.timeout_s)})
     try:
         if server.engine == "vllm":
-            counters = spec_counters.vllm_counters(_get(f"{server.url}/metrics", server.timeout_s).decode())
+            text = _get(f"{server.url}/metrics", server.timeout_s).decode()
+            counters = spec_counters.vllm_counters(text)
             if not counters["present"]:
                 return {"ok": False, "error": "its /metrics has no vllm:spec_decode_* counters: it serves without "
                                               "speculative decoding, or is not vLLM"}
             if why := _not_counted(counters):
                 return {"ok": False, "error": why, "status": "bad counters"}
             drafter, told = _vllm_drafter(server)
+            counters["load"] = spec_counters.vllm_load(text)
             return {"ok": True, "counters": counters, "drafter": drafter, "drafter_from": told}
         info = json.loads(_get(f"{server.url}/get_server_info", server.timeout_s))
         states = info.get("internal_states") or [{}]
@@ -111,8 +114,11 @@ def observe(server: Server, now: dict, before: dict | None, t: float) -> tuple[d
     else:
         status = "ok" if w["num_drafts"] else "idle: no speculative step since the last read"
     meta = {**base, "status": status, "num_drafts": w["num_drafts"]}
+    load = now["counters"].get("load") or {}
+    meta.update({k: load[k] for k in ("requests_running", "requests_waiting") if k in load})  # gauges, at the read
     if before and not w["restarted"]:
         meta["window_s"] = round(t - before["t"], 1)
+        meta.update(spec_counters.load_between((prev or {}).get("load") or {}, load, t - before["t"]))
     if w["num_drafts"]:
         meta.update({"acceptance_length": round(w["acceptance_length"], 4),
                      "acceptance_rate": round(w["acceptance_rate"], 4),
@@ -135,7 +141,32 @@ def tied(instance: dg.DagsterInstance, server: Server, event: dg.AssetObservatio
     extra["checkpoint"] = info["checkpoint"] or "not exported by this instance"
     if info["benchmark_acceptance_length"] is not None:
         extra["benchmark_acceptance_length"] = info["benchmark_acceptance_length"]
+    extra.update(beyond_schedule(instance, server, info["checkpoint"], event.metadata))
     return dg.AssetObservation(asset_key=event.asset_key, metadata={**event.metadata, **extra})
+
+
+def beyond_schedule(instance: dg.DagsterInstance, server: Server, checkpoint: str | None, meta) -> dict:
+    """Where a server ran batches larger than any concurrency its drafter's speculation schedule was measured at:
+    the schedule's k there is a guess (its last range stretched to the engine's limit), said on the observation.
+    Judged on the window's mean batch, else the running gauge; nothing without a schedule for the checkpoint."""
+    def num(key):
+        v = meta.get(key)
+        return getattr(v, "value", v)
+
+    batch = num("mean_requests_running")
+    batch = num("requests_running") if batch is None else batch
+    if not checkpoint or batch is None:
+        return {}
+    sched, _ = schedule_for(instance, server.engine, checkpoint)
+    if not sched or not sched.get("grid"):
+        return {}
+    top = max(int(c) for c in sched["grid"])
+    out = {"schedule_measured_up_to": top}
+    if batch > top:
+        out["load_beyond_schedule"] = (f"{batch:g} requests running at once, beyond the largest concurrency its "
+                                       f"speculation schedule measured ({top}): re-measure speculation_schedule with a "
+                                       f"grid up to the load served")
+    return out
 
 
 def tick(servers: list[Server], cursor: str | None,

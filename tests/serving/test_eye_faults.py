@@ -278,3 +278,21 @@ def test_a_path_to_a_token_file_is_not_a_secret_by_its_name():
     assert not secret_name("HF_HUB_TOKEN_PATH") and secret_name("HF_TOKEN") and secret_name("HF_HUB_TOKEN")
     assert find_secrets({"HF_HUB_TOKEN_PATH": "/var/run/secrets/hf/token"}) == []
     K8sHost(image="img", pvc="work", env={"HF_HUB_TOKEN_PATH": "/var/run/secrets/hf/token"})
+
+
+# ---- the load a server serves, against its drafter's schedule (issue 47, item 5) --------------------------
+def test_batches_beyond_the_schedules_grid_are_reported_on_the_observation():
+    """A schedule measured up to 4 requests at once: a window averaging 6 running is said to be beyond it (the k
+    there is the last range stretched), 3 is not; another checkpoint's schedule says nothing."""
+    server = Server(name="prod", url="http://127.0.0.1:9")
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            "speculation_schedule", partition="vllm", metadata={"checkpoint": "c" * 32, "grid": [1, 2, 4],
+                                                                "schedule_text": "1-2: k=3, 3-1024: off"}))
+        beyond = live_acceptance.beyond_schedule(instance, server, "c" * 32, {"mean_requests_running": 6.0})
+        assert beyond["schedule_measured_up_to"] == 4
+        assert "6 requests running at once, beyond the largest concurrency its speculation schedule measured (4)" \
+            in beyond["load_beyond_schedule"]
+        within = live_acceptance.beyond_schedule(instance, server, "c" * 32, {"requests_running": 3.0})
+        assert within == {"schedule_measured_up_to": 4}
+        assert live_acceptance.beyond_schedule(instance, server, "d" * 32, {"mean_requests_running": 6.0}) == {}

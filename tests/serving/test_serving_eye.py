@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ def _load(url: str, n: int, max_tokens: int = 24) -> None:
 
 def _counters(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        return spec_counters.vllm_counters(r.read().decode())
+        text = r.read().decode()
+    return {**spec_counters.vllm_counters(text), "load": spec_counters.vllm_load(text)}
 
 
 @dataclass
@@ -200,6 +202,7 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         assert live["live_acceptance_length"] < bench * 0.9
         assert live["where"] == "kind=other-language", live["report"]
         assert live["where_share_of_training"] < 0.05
+        assert "**Load**" in live["report"] and live["mean_batch_in_window"] > 0, live["report"]  # whether it moved too
         traffic = p.graph.latest("traffic", live["traffic_day"])
         assert traffic["redacted_email"] == 1 and sum(traffic[f"redacted_{k}"] for k in KINDS) == 1
         assert "jeanne.martin@" not in json.dumps(live, default=str)
@@ -311,9 +314,9 @@ def test_live_acceptance_from_a_real_server_through_load_a_stop_and_a_restart(pr
         first = daemon.wait("the sensor's first read", lambda: daemon.observations("prod", t0), lambda o: len(o) >= 1,
                             180)
         assert first[0]["drafter"] == drafter and first[0]["drafter_from"] == "config"
-        before = _counters(srv.base_url)
+        before, t_seq = _counters(srv.base_url), time.time()
         _load(srv.base_url, 6)
-        after = _counters(srv.base_url)
+        seq_wall, after = time.time() - t_seq, _counters(srv.base_url)
         assert after["num_drafts"] > before["num_drafts"], "the load must make speculative steps"
         obs = daemon.wait("the load's drafts in the observations", lambda: daemon.observations("prod", t0),
                           lambda o: sum(x.get("num_drafts", 0) for x in o[1:]) >= after["num_drafts"]
@@ -330,6 +333,25 @@ def test_live_acceptance_from_a_real_server_through_load_a_stop_and_a_restart(pr
         assert drafts == window["num_drafts"], "the windows add up to what the server counted, nothing twice"
         daemon.wait("an idle window once the load ends", lambda: daemon.observations("prod", t0),
                     lambda o: o[-1]["status"].startswith("idle"), 60)
+        # the load each window served: the output tokens add up to the server's count, and one request at a time
+        # never runs more than one at once on average
+        made = after["load"]["generation_tokens"] - before["load"]["generation_tokens"]
+        seen = daemon.observations("prod", t_seq)
+        assert made > 0 and sum(x.get("generation_tokens", 0) for x in seen) == made
+        seq_running_s = sum(x.get("mean_requests_running", 0) * x.get("window_s", 0) for x in seen)
+        assert 0 < seq_running_s <= seq_wall * 1.05, (seq_running_s, seq_wall)
+        # four at once: the windows see four running together (Little's law over the requests that finished)
+        t_burst = time.time()
+        burst = [threading.Thread(target=_load, args=(srv.base_url, 1, 48)) for _ in range(4)]
+        for th in burst:
+            th.start()
+        for th in burst:
+            th.join()
+        wall = time.time() - t_burst
+        obs = daemon.wait("the burst in the observations", lambda: daemon.observations("prod", t_burst),
+                          lambda o: sum(x.get("requests_finished", 0) for x in o) >= 4, 60)
+        running_s = sum(x.get("mean_requests_running", 0) * x.get("window_s", 0) for x in obs)
+        assert running_s > 2 * wall, (running_s, wall)
 
         srv.stop()  # the server goes away: an observation says so, and the sensor goes on
         down = daemon.wait("an unreachable read", lambda: daemon.observations("prod", t0),
