@@ -96,7 +96,7 @@ def report_request(instance: dg.DagsterInstance, server: Server, state: dict, se
     config = {"signal": "live", "server": server.name, "drafter": state["drafter"],
               "live_acceptance_length": win["acceptance_length"], "num_drafts": win["num_drafts"],
               "window_s": settings.window_s, "benchmark_acceptance_length": info["benchmark_acceptance_length"],
-              "benchmark_from": info["benchmark_from"], "traffic_day": day}
+              "benchmark_from": info["benchmark_from"], "traffic_day": day, "observed_at": now}
     ops = {"drift_report": {"config": config}}
     selection = [REPORT]
     if day is not None:

@@ -30,6 +30,8 @@ class DriftReportConfig(dg.Config):
     benchmark_from: str | None = None
     num_drafts: int | None = Field(default=None, description="live: speculative steps in the window")
     window_s: int | None = None
+    observed_at: float | None = Field(default=None, description="live: when the sensor saw the window (unix s); the "
+                                      "report's load compares that window, however long the run waited")
     traffic_day: str | None = Field(default=None, description="the traffic partition that locates the drift")
     traffic_acceptance_storage_id: int | None = Field(default=None, description="offline: the replay that fired")
 
@@ -72,10 +74,12 @@ def _live_series(context, server: str, drafter: str | None) -> str:
 LOAD_MOVED = 1.5  # the mean batch grew or shrank by this factor (and by a request at least): the load moved
 
 
-def load_moved(context, server: str, window_s: float) -> tuple[dict, str]:
+def load_moved(context, server: str, window_s: float, now: float | None = None) -> tuple[dict, str]:
     """Whether the load moved with the traffic: the server's mean batch (requests running at once, by Little's law,
-    live_acceptance.py) over the drift's window against the day before it, each window weighted by its length."""
-    now = time.time()
+    live_acceptance.py) over the drift's window (ending at `now`, when the sensor saw it) against the day before it,
+    each window weighted by its length. The report runs minutes later (after its replay): its own clock would
+    measure a window the drift is not in."""
+    now = time.time() if now is None else now
     obs = [o for o in served.observations(context.instance, server, since=now - 86400)
            if o.get("mean_requests_running") is not None and o.get("window_s")]
 
@@ -84,7 +88,8 @@ def load_moved(context, server: str, window_s: float) -> tuple[dict, str]:
         return (sum(float(o["mean_requests_running"]) * float(o["window_s"]) for o in picked) / secs, secs) \
             if secs else (None, 0)
 
-    recent, before = mean([o for o in obs if o["t"] >= now - window_s]), mean([o for o in obs if o["t"] < now - window_s])
+    recent = mean([o for o in obs if now - window_s <= o["t"] <= now])
+    before = mean([o for o in obs if o["t"] < now - window_s])
     if recent[0] is None:
         return {}, "**Load**: no load figures in the window (a server that is not vLLM, or no second read yet)."
     meta = {"mean_batch_in_window": round(recent[0], 3)}
@@ -123,7 +128,8 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                          f"{live_drop:.1%} below the drafter's benchmarked {config.benchmark_acceptance_length:.3f} "
                          f"({config.benchmark_from}; threshold {settings.live_drop:.0%}).")
     if config.server:
-        load_meta, load_line = load_moved(context, config.server, config.window_s or settings.window_s)
+        load_meta, load_line = load_moved(context, config.server, config.window_s or settings.window_s,
+                                          config.observed_at)
         meta.update(load_meta)
         lines.append(load_line)
     reference = replay.get("eval_acceptance_length")

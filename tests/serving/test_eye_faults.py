@@ -296,3 +296,29 @@ def test_batches_beyond_the_schedules_grid_are_reported_on_the_observation():
         within = live_acceptance.beyond_schedule(instance, server, "c" * 32, {"requests_running": 3.0})
         assert within == {"schedule_measured_up_to": 4}
         assert live_acceptance.beyond_schedule(instance, server, "d" * 32, {"mean_requests_running": 6.0}) == {}
+
+
+def test_a_drift_reports_load_is_the_window_the_sensor_saw_not_the_idle_minutes_its_run_waited():
+    """The report runs after its replay, minutes after the sensor saw the drift, when the traffic may have stopped:
+    its load line compares the sensor's window (observed_at) with the time before it."""
+    from types import SimpleNamespace
+
+    from eagle3_assets.eye import drift_report
+    from eagle3_assets.eye.servers_file import asset_key
+
+    with dg.instance_for_test() as instance:
+        def read(running: float):
+            instance.report_runless_asset_event(dg.AssetObservation(
+                asset_key("prod"), metadata={"mean_requests_running": running, "window_s": 1.0}))
+            t = time.time()
+            time.sleep(1.2)
+            return t
+
+        read(1.0)
+        seen = read(4.0)  # the window the sensor judged a drift in
+        read(0.0)  # idle afterwards, while the report's run waits
+        meta, line = drift_report.load_moved(SimpleNamespace(instance=instance), "prod", 1, now=seen + 0.1)
+        assert meta == {"mean_batch_in_window": 4.0, "mean_batch_before": 1.0, "load_moved": "yes"}, line
+        assert line.startswith("**Load** (moved): 4.00 requests running at once"), line
+        idle, _ = drift_report.load_moved(SimpleNamespace(instance=instance), "prod", 2)
+        assert idle["mean_batch_in_window"] == 0.0  # the report's own clock: the idle read

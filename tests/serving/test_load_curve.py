@@ -61,10 +61,14 @@ def test_the_schedule_follows_the_measured_curve_and_stops_drafting_where_the_ta
         best = max(tok[k][c] for k in tok)
         # the chosen k serves within the tolerance of the best measured there
         assert tok[spec_schedule.k_at(schedule, c)][c] >= best * (1 - TOL), (c, tok, schedule)
-    # on 2 cores, 16 requests at once: drafting costs more than it saves (issue 47 measured 0.81x at k = 3)
-    assert tok[K][16] < tok[0][16], tok
-    if all(tok[k][16] < tok[0][16] * (1 - TOL) for k in (1, 2)):
-        assert spec_schedule.k_at(schedule, 16) == 0, schedule
+    print(f"\nload curve (tokens/s by k, then concurrency): {tok}; schedule {schedule}")
+    # Whether drafting pays at 16 depends on the CPU (0.81x at k = 3 on a Zen 4 here, 1.17x at k = 1 on a CI
+    # machine): the schedule must follow what this machine measured, either way.
+    for c in GRID:
+        if all(tok[k][c] < tok[0][c] * (1 - TOL) for k in tok if k):
+            assert spec_schedule.k_at(schedule, c) == 0, (c, tok, schedule)
+        if any(tok[0][c] < tok[k][c] * (1 - TOL) for k in tok if k):
+            assert spec_schedule.k_at(schedule, c) != 0, (c, tok, schedule)
     assert meta["speedup_at_1"] == round(tok[spec_schedule.k_at(schedule, 1)][1] / tok[0][1], 3)
 
 
