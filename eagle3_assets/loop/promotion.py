@@ -3,7 +3,9 @@
 promotion_gate (per engine) serves the drafter in production (the champion) and the challenger with the same
 settings in the same run (stage serve_compare), on prompts of the recent traffic held out of the retraining and on
 the standing eval set. Its blocking checks hold the gate: the challenger beats the champion on the held-out traffic,
-in acceptance length and speedup, by `margin`; and loses no more than `eval_tolerance` of its acceptance length on the
+in acceptance length and speedup, by `margin` (the speedup at the load mix the production served, from the serving
+eye's observations of the last day: a drafter that wins one request at a time and loses where production serves
+is not promoted); and loses no more than `eval_tolerance` of its acceptance length on the
 eval set. production_drafter (per engine) records each decision (production.py): promoted by the gate (it runs only
 once the gate's checks pass), promoted by hand, rolled back."""
 
@@ -16,6 +18,8 @@ from ..assets.partitions import engine_partitions
 from ..assets.paths import EVAL
 from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
+from ..common import load_mix
+from ..eye.load_mix import observed as observed_mix
 from ..hosts import GpuHost
 from ..stages.serve_compare import ServeCompareSettings
 from . import production
@@ -32,6 +36,13 @@ class PromotionGateConfig(dg.Config, ServeCompareSettings):
                           "held-out traffic must beat the champion's by this fraction")
     eval_tolerance: float = Field(default=0.03, ge=0, lt=1, description="the challenger's acceptance length on the "
                                   "eval set may fall below the champion's by at most this fraction")
+    load_window_h: float = Field(default=24, gt=0, description="unless load_mix is given: the load mix the engine's "
+                                 "production servers served over these last hours (the serving eye's observations)")
+    load_levels: int = Field(default=3, ge=1, description="the observed mix's largest concurrencies measured (each "
+                             "adds a pass over the held-out traffic on every server)")
+
+
+GATE_ONLY = {"margin", "eval_tolerance", "load_window_h", "load_levels"}
 
 
 def verdict(figures: dict, margin: float, tolerance: float) -> dict[str, tuple[bool, str]]:
@@ -80,11 +91,13 @@ def promotion_gate(context: dg.AssetExecutionContext, config: PromotionGateConfi
     if not champ["export_path"]:
         raise dg.Failure(description=f"the champion ({champ['from']}) has no {engine} export: promote one that has")
     split = upstream_metadata(context, "retrain_data")
+    mix, mix_from = _load_mix(context, config, engine)
+    context.log.info(f"champion and challenger compared at {mix_from}")
     run = gpu_host.run_stage(context, "serve_compare", {
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
         "drafters": {"champion": champ["export_path"], "challenger": chall[f"{engine}_path"]},
         "prompt_sets": {"traffic": split["heldout"], "eval": EVAL}, "out_dir": f"gate/{engine}",
-        **config.model_dump(exclude={"margin", "eval_tolerance"})})
+        **config.model_dump(exclude=GATE_ONLY), "load_mix": mix})
     figures = run.result["figures"]
     checks = verdict(figures, config.margin, config.eval_tolerance)
     passed = all(ok for ok, _ in checks.values())
@@ -92,11 +105,29 @@ def promotion_gate(context: dg.AssetExecutionContext, config: PromotionGateConfi
     result = run.materialize_result(
         champion=champ["version"] or "unknown", challenger=chall["checkpoint"] or "unknown",
         challenger_export=chall[f"{engine}_path"], champion_export=champ["export_path"],
-        traffic_days=dg.MetadataValue.json(split["traffic_days"]), promote=passed,
+        traffic_days=dg.MetadataValue.json(split["traffic_days"]), promote=passed, load_mix_from=mix_from,
+        **_at_load(figures),
         decision="promote the challenger" if passed else "keep the champion: the challenger is kept, not promoted")
     return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version, check_results=[
         dg.AssetCheckResult(check_name=name, passed=ok, description=why, severity=dg.AssetCheckSeverity.ERROR)
         for name, (ok, why) in checks.items()])
+
+
+def _load_mix(context, config: PromotionGateConfig, engine: str) -> tuple[dict | None, str]:
+    """The mix the speedups are weighed by: the one given, else the production's observed, else one request at a
+    time (the first of `concurrencies`), each said."""
+    if config.load_mix:
+        return config.load_mix, f"the load mix given: {load_mix.describe(load_mix.check(config.load_mix))}"
+    mix, why = observed_mix(context.instance, engine, config.load_window_h, config.load_levels)
+    if mix:
+        return {str(c): s for c, s in mix.items()}, f"the production's load mix, {why}"
+    return None, f"{config.concurrencies[0]} request(s) at a time ({why})"
+
+
+def _at_load(figures: dict) -> dict:
+    """Each drafter's speedup on the traffic by concurrency, as numbers the UI plots ({label}_traffic_speedup_at_{c})."""
+    return {f"{label}_traffic_speedup_at_{c}": v for label, sets in figures.items()
+            for c, v in (sets.get("traffic", {}).get("speedup_by_concurrency") or {}).items() if v is not None}
 
 
 class ProductionConfig(dg.Config):

@@ -4,16 +4,27 @@ measurement (champion and challenger, on held-out recent traffic and on the stan
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from ..common import load_mix
 from .base import DEFAULT_ENGINE, EVAL_NEW_TOKENS, NUM_SPECULATIVE_TOKENS, Args, Contract, EngineName, Result
 from .serve_bench import ServeBenchSettings
 
 
 class ServeCompareSettings(ServeBenchSettings):
-    """serve_bench's launch settings; measured at the lowest of `concurrencies` (one request at a time by default)."""
+    """serve_bench's launch settings; measured at the first of `concurrencies` (one request at a time by default)
+    and, on the first prompt set, at each concurrency of `load_mix`."""
 
     concurrencies: list[int] = Field(default=[1], min_length=1, description="the first is measured")
+    load_mix: dict[str, float] | None = Field(
+        default=None, description="{concurrency: share of the output made at it}: the first prompt set is also "
+        "measured at each concurrency, and the speedup is the mix's (the target alone's time to make that output over "
+        "the drafter's); None: the first concurrency alone")
+
+    @field_validator("load_mix")
+    @classmethod
+    def _a_mix_of_concurrencies(cls, v):
+        return None if v is None else {str(c): s for c, s in load_mix.check(v).items()}
     limit: int | None = Field(default=16, gt=0, description="prompts per set (None: all)")
     max_new_tokens: int = Field(default=EVAL_NEW_TOKENS, gt=0)
     num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0)

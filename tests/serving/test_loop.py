@@ -11,6 +11,7 @@ import pytest
 
 from conftest import TINY_TRAIN, run_stage
 from eagle3_assets import cli
+from eagle3_assets.common import load_mix
 from eagle3_assets.loop import production
 from eagle3_assets.loop.promotion import BEATS, HOLDS, verdict
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, chat_prompts
@@ -74,6 +75,55 @@ def test_the_gate_wants_a_margin_on_the_traffic_and_a_tolerance_on_the_eval_set(
     assert not slower[BEATS][0] and "speedup 1.100 vs the champion's 1.200" in slower[BEATS][1]
     forgot = verdict(_figures(1.40, 1.70, 1.90, 1.70), margin=0.02, tolerance=0.03)
     assert forgot[BEATS][0] and not forgot[HOLDS][0]
+
+
+def test_the_load_mix_weighs_the_output_each_batch_size_made_and_ignores_idle_windows():
+    # (mean batch, output tokens) per window: idle windows made nothing; 0.7 and 1.2 are one request at a time
+    windows = [(0.7, 100), (1.2, 50), (3.5, 400), (15.0, 300), (40.0, 5), (0.0, 0)]
+    mix = load_mix.from_windows(windows, max_levels=3)
+    assert mix == pytest.approx({1: 150 / 850, 4: 400 / 850, 16: 300 / 850}, abs=1e-4)  # 32's 5 tokens: not kept
+    assert load_mix.from_windows([(0.0, 0)]) == {}
+    assert load_mix.from_windows(windows, max_levels=1) == {4: 1.0}
+
+
+def test_a_drafter_that_wins_alone_and_loses_under_load_is_judged_at_the_mix():
+    base = {1: 100.0, 16: 400.0}
+    fast_alone = {1: 150.0, 16: 320.0}  # 1.5x at 1, 0.8x at 16
+    assert load_mix.speedup({1: 1.0}, fast_alone, base) == pytest.approx(1.5)
+    # half the output at 16: the target alone takes 0.5/100 + 0.5/400 of a second a token, the drafter 0.5/150 + 0.5/320
+    half = load_mix.speedup({1: 0.5, 16: 0.5}, fast_alone, base)
+    assert half == pytest.approx((0.5 / 100 + 0.5 / 400) / (0.5 / 150 + 0.5 / 320))
+    assert load_mix.speedup({1: 0.1, 16: 0.9}, fast_alone, base) < 1 < half
+    assert load_mix.speedup({1: 0.5, 4: 0.5}, fast_alone, base) is None  # 4 was not measured: no figure, not a guess
+    with pytest.raises(load_mix.LoadMixError, match="'many' is not a concurrency"):
+        load_mix.check({"many": 1.0})
+    with pytest.raises(load_mix.LoadMixError, match="shares above 0"):
+        load_mix.check({"4": 0})
+    assert load_mix.check({"16": 1, "1": 3}) == {1: 0.75, 16: 0.25}
+
+
+def test_the_gate_reads_the_load_mix_the_engines_servers_served(tmp_path, monkeypatch):
+    import dagster as dg
+
+    from eagle3_assets.eye import load_mix as eye_mix
+    from eagle3_assets.eye.servers_file import SERVERS_ENV, asset_key
+
+    servers = tmp_path / "servers.yaml"
+    servers.write_text("servers:\n  - {name: a, url: 'http://127.0.0.1:9', engine: vllm}\n"
+                       "  - {name: b, url: 'http://127.0.0.1:8', engine: vllm}\n"
+                       "  - {name: s, url: 'http://127.0.0.1:7', engine: sglang}\n")
+    with dg.instance_for_test() as instance:
+        assert eye_mix.observed(instance, "vllm", 24) == ({}, f"no servers file ({SERVERS_ENV}): no production load "
+                                                              "observed")
+        monkeypatch.setenv(SERVERS_ENV, str(servers))
+        mix, why = eye_mix.observed(instance, "vllm", 24)
+        assert mix == {} and "no output with load figures from a, b in the last 24 h" in why
+        for name, batch, tokens in [("a", 1.0, 300), ("b", 7.0, 100), ("s", 30.0, 10_000), ("a", 0.0, 0)]:
+            instance.report_runless_asset_event(dg.AssetObservation(asset_key(name), metadata={
+                "mean_requests_running": batch, "generation_tokens": tokens, "window_s": 60.0}))
+        mix, why = eye_mix.observed(instance, "vllm", 24)
+        assert mix == {1: 0.75, 8: 0.25}, why  # the sglang server's load is not vLLM's
+        assert why.startswith("observed on a, b over the last 24 h (3 windows, 400 output tokens): 75% at 1, 25% at 8")
 
 
 @pytest.fixture(scope="module")

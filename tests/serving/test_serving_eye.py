@@ -21,7 +21,7 @@ import yaml
 
 from conftest import Graph
 from daemon_harness import ROOT, start_daemon, stop_daemon
-from eagle3_assets.common import spec_counters
+from eagle3_assets.common import load_mix, spec_counters
 from eagle3_assets.eye.drift import DRIFT_TAG, LIVE_CHECK
 from eagle3_assets.eye.live_acceptance import asset_key
 from eagle3_assets.loop import production as record
@@ -262,6 +262,8 @@ def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_roll
         assert story.champion == champion
         assert now["decision"] == "promoted by the gate" and now["replaced"] == p.graph.data_version("eagle3_drafter")
         assert now["traffic_days"] and now["version"] == gate["challenger"]
+        # the speedups were weighed by the load prod-a served (one request at a time from the story's gateway)
+        assert gate["load_mix_from"].startswith("the production's load mix, observed on prod-a"), gate["load_mix_from"]
         figs = gate["figures"]
         assert figs["challenger"]["traffic"]["acceptance_length"] > figs["champion"]["traffic"]["acceptance_length"]
         # the rollout: prod-a serves the challenger; the canary failed its health check and is back on the champion
@@ -279,13 +281,21 @@ def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_roll
             "challenger_drafter": {"config": {"run_name": "worse", "epochs": 3, "lr": 0.02, "ttt_steps": 3,
                                               "row_tokens": 512, "rows_per_batch": 1}}})
         assert worse.success
-        # judged on acceptance alone (no baseline server: the verdict says so), on 8 prompts a set, to save CI time
+        # at a load mix given by hand (half the output at 4 requests at once), on 8 prompts a set, to save CI time
         gate_config = serving_loop.retrain_config()["ops"]["promotion_gate"]["config"]
         refused = p.graph.materialize("promotion_gate", "production_drafter", partition="vllm", raise_on_error=False,
                                       config={"promotion_gate": {"config": {**gate_config, "limit": 8,
-                                                                            "baseline": False}}})
+                                                                            "load_mix": {"1": 0.5, "4": 0.5}}}})
         assert not refused.success and record.current(p.graph.instance, "vllm")["version"] == now["version"]
-        assert not p.graph.latest("promotion_gate", "vllm")["promote"]
+        second = p.graph.latest("promotion_gate", "vllm")
+        assert not second["promote"] and second["load_mix_from"] == "the load mix given: 50% at 1, 50% at 4"
+        print(f"gate at the mix: {json.dumps(second['figures'])}")
+        for label in ("champion", "challenger"):
+            traffic, base = second["figures"][label]["traffic"], second["figures"]["baseline"]["traffic"]
+            tok, base_tok = ({int(c): v for c, v in f["tokens_per_s_by_concurrency"].items()} for f in (traffic, base))
+            assert set(tok) == {1, 4} and all(v > 0 for v in tok.values())
+            assert traffic["speedup"] == pytest.approx(load_mix.speedup({1: 0.5, 4: 0.5}, tok, base_tok), abs=1e-3)
+            assert second[f"{label}_traffic_speedup_at_4"] == pytest.approx(tok[4] / base_tok[4], abs=1e-3)
     finally:
         serving_loop.stop_servers(work, ("prod-a", "canary"))
 

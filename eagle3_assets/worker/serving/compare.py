@@ -1,8 +1,10 @@
 """Stage `serve_compare`: drafters side by side in one engine, the promotion gate's measurement. Each drafter (and
 the target alone, for the speedup) gets a server with the same launch settings, started one after the other (or
 together on a CPU host whose memory holds them, as serve_bench does); each is warmed up, then measured on every
-prompt set one request at a time: acceptance from the engine's own counters, output tokens/s. The figures come back
-as {label: {set: figures}}, with the speedup over the baseline on the same set."""
+prompt set one request at a time: acceptance from the engine's own counters, output tokens/s. With a load mix, the
+first set (the gate's traffic) is measured again at each of its concurrencies, and that set's speedup is the mix's
+(eagle3_assets/common/load_mix.py): the production's load, not one request alone. The figures come back as
+{label: {set: figures}}, with the speedup over the baseline on the same set."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
+from ...common import load_mix
 from .. import engines
 from ..compute_dtype import choice, host_device, line
 from ..engines import load
@@ -21,7 +24,7 @@ from ..errors import StageError
 from ..files import require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import drive_in_turn, measure, start_together
+from .bench import at_load, drive_in_turn, measure, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_compare import ServeCompareArgs
@@ -59,6 +62,17 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                                                                                         args.language_model_only))
     env = {**engine.SERVER_ENV, **{str(k_): str(v) for k_, v in (args.env or {}).items()}}
     labels = [*drafters, *([BASELINE] if args.baseline else [])]
+    mix = load_mix.check(args.load_mix) if args.load_mix else None
+    mix_set = next(iter(sets))
+    # the mix's concurrencies not measured already; without the target alone there is no speedup to weigh
+    more = sorted(set(mix or {}) - {c}) if args.baseline else []
+    if mix and not args.baseline:
+        reporter.log("load mix given but no baseline server: nothing to weigh, measured at the first concurrency only")
+        mix = None
+    if mix:
+        reporter.log(f"load mix: {load_mix.describe(mix)}" + (f"; {mix_set} also measured at {', '.join(map(str, more))}"
+                                                              if more else ""))
+    at: dict[str, dict[int, float]] = {label: {} for label in labels}  # tokens/s on the mix's set, by concurrency
 
     def server(label: str, taken: list[int]) -> EngineServer:
         argv = engine.server_command(python, str(target), free_port(taken),
@@ -88,6 +102,10 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
             for name, requests in sets.items():
                 for label, got in _in_turn(engine, started, requests, c, max_new, k, reporter).items():
                     _keep(figures, label, name, got, reporter)
+            for level in more:
+                for label, got in _in_turn(engine, started, at_load(sets[mix_set], level), level, max_new, k, reporter,
+                                           acceptance=False).items():
+                    at[label][level] = got["output_tokens_per_s"]
         else:
             for label in labels:
                 srv = running.enter_context(server(label, []))
@@ -96,15 +114,26 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                 for name, requests in sets.items():
                     got, _ = measure(engine, srv, requests, c, max_new, k, reporter, label != BASELINE)
                     _keep(figures, label, name, got, reporter)
+                for level in more:
+                    got, _ = measure(engine, srv, at_load(sets[mix_set], level), level, max_new, k, reporter, False)
+                    at[label][level] = got["output_tokens_per_s"]
                 srv.stop()
+    if mix:  # every server's tokens/s on the mix's set by concurrency, the first pass's at c
+        for label in labels:
+            got = {c: figures[label][mix_set]["output_tokens_per_s"], **at[label]}
+            figures[label][mix_set]["tokens_per_s_by_concurrency"] = {str(x): got[x] for x in sorted(got)}
     if args.baseline:
         for label in drafters:
             for name in sets:
                 base = figures[BASELINE][name]["output_tokens_per_s"]
                 mine = figures[label][name]["output_tokens_per_s"]
                 figures[label][name]["speedup"] = round(mine / base, 4) if base and mine else None
+            if mix:
+                _at_mix(figures[label][mix_set], figures[BASELINE][mix_set], mix, label, reporter)
     meta = {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
-            "max_new_tokens": max_new, "concurrency": c, "figures": figures, "path": str(out_dir),
+            "max_new_tokens": max_new, "concurrency": c, "figures": figures,
+            **({"load_mix": {str(x): v for x, v in mix.items()}, "load_mix_set": mix_set} if mix else {}),
+            "path": str(out_dir),
             "wall_s": round(time.monotonic() - t0, 1), **dtype_info,
             **{f"{label}_{name}_{key}": v for label, per in figures.items() for name, f in per.items()
                for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None}}
@@ -119,7 +148,20 @@ def _keep(figures: dict, label: str, name: str, got: dict, reporter) -> None:
                  f"{got.get('output_tokens_per_s')} tokens/s")
 
 
-def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int, reporter) -> dict[str, dict]:
+def _at_mix(mine: dict, base: dict, mix: dict, label: str, reporter) -> None:
+    """The set's speedup at the mix, and by concurrency, into `mine`; the speedup at the first concurrency kept."""
+    tok, base_tok = ({int(x): v for x, v in f["tokens_per_s_by_concurrency"].items()} for f in (mine, base))
+    mine["speedup_by_concurrency"] = {str(x): round(tok[x] / base_tok[x], 4) if tok[x] and base_tok.get(x) else None
+                                      for x in sorted(tok)}
+    mine["speedup_at_first_concurrency"] = mine.get("speedup")
+    got = load_mix.speedup(mix, tok, base_tok)
+    mine["speedup"] = round(got, 4) if got is not None else None
+    reporter.log(f"{label}: speedup {mine['speedup']} at the load mix ({load_mix.describe(mix)}); by concurrency "
+                 + ", ".join(f"{x}: {v}x" for x, v in mine["speedup_by_concurrency"].items()))
+
+
+def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int, reporter,
+             acceptance: bool = True) -> dict[str, dict]:
     """Every server on the same requests, ROUND at a time in turn, the order rotating each round: a slow spell of
     the host (the daemon's sensor ticks, other work) falls on all of them alike. Measured one after the other on 2
     shared cores, the same drafter ran 22 % slower than its champion at the same acceptance length, and the gate
@@ -134,6 +176,6 @@ def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int
     out = {}
     for label in labels:
         out[label] = load.summarize(*got[label])
-        if label != BASELINE:
+        if acceptance and label != BASELINE:
             out[label].update(engine.acceptance(servers[label], before[label], k))
     return out
