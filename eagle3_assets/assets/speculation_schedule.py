@@ -30,15 +30,19 @@ def speculation_schedule(context: dg.AssetExecutionContext, config: ScheduleConf
     """Output throughput and time per output token at each concurrency of the grid, for the target alone and each k
     up to num_speculative_tokens, the servers measured in turn; the k per batch-size range chosen from it, and the
     files each engine is started with (vLLM's speculative config, SGLang's adaptive config) beside the export."""
+    export = upstream_metadata(context, "drafter_export")
+    if f"{context.partition_key}_path" not in export:
+        raise dg.Failure(description=f"drafter_export has no {context.partition_key} export: materialize drafter_export "
+                                     f"with {context.partition_key} among its dialects")
+    return measure(context, config, gpu_host, export[f"{context.partition_key}_path"], exported_checkpoint(context))
+
+
+def measure(context, config: ScheduleConfig, gpu_host: GpuHost, served: str, checkpoint: str) -> dg.MaterializeResult:
+    """The load curve of the export at `served` (the engine's dialect) and its schedule, the launch files beside it;
+    also the loop's challenger_schedule (eagle3_assets/loop/challenger_schedule.py)."""
     engine = context.partition_key
     if config.eval_set not in PROMPT_SETS:
         raise dg.Failure(description=f"eval_set must be one of {sorted(PROMPT_SETS)}, got {config.eval_set!r}")
-    export = upstream_metadata(context, "drafter_export")
-    if f"{engine}_path" not in export:
-        raise dg.Failure(description=f"drafter_export has no {engine} export: materialize drafter_export with {engine} "
-                                     "among its dialects")
-    checkpoint = exported_checkpoint(context)
-    served = export[f"{engine}_path"]
     run = gpu_host.run_stage(context, "load_curve", {
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"], "drafter": served,
         "prompts": PROMPT_SETS[config.eval_set], "out_dir": str(Path(served).parent / f"{engine}-launch"),
@@ -68,17 +72,29 @@ def plot(meta: dict) -> str:
 SCHEDULE_CHECK = "schedule_never_slower"
 
 
+# the drafter's own (drafter_export's) and the loop's challenger's, once the gate passed it
+SCHEDULES = (dg.AssetKey("speculation_schedule"), dg.AssetKey("challenger_schedule"))
+
+
 def schedule_for(instance: dg.DagsterInstance, engine: str, checkpoint: str) -> tuple[dict | None, str]:
-    """The newest speculation_schedule measured for this checkpoint on this engine, or None and why not."""
-    recs = instance.fetch_materializations(dg.AssetRecordsFilter(
-        asset_key=dg.AssetKey("speculation_schedule"), asset_partitions=[engine]), limit=1).records
-    if not recs:
+    """The newest schedule measured for this checkpoint on this engine (by speculation_schedule, or by
+    challenger_schedule for a drafter the loop promoted), or None and why not."""
+    found, newest = [], None
+    for key in SCHEDULES:
+        for rec in instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[engine]),
+                                                   limit=20).records:
+            meta = {k: v.value for k, v in rec.event_log_entry.asset_materialization.metadata.items()}
+            newest = newest or meta
+            if meta.get("checkpoint") == checkpoint:
+                found.append((rec.storage_id, meta))
+                break
+    if found:
+        meta = max(found, key=lambda f: f[0])[1]
+        return meta, f"the speculation schedule measured for {checkpoint[:12]}: {meta['schedule_text']}"
+    if newest is None:
         return None, f"no speculation_schedule on {engine}: materialize it (job measure_schedule) for this checkpoint"
-    meta = {k: v.value for k, v in recs[0].event_log_entry.asset_materialization.metadata.items()}
-    if meta.get("checkpoint") != checkpoint:
-        return None, (f"the newest speculation_schedule on {engine} was measured for checkpoint "
-                      f"{str(meta.get('checkpoint'))[:12]}, not {checkpoint[:12]}: materialize it for this one")
-    return meta, f"the speculation schedule measured for {checkpoint[:12]}: {meta['schedule_text']}"
+    return None, (f"no speculation_schedule on {engine} was measured for checkpoint {checkpoint[:12]} (the newest "
+                  f"was for {str(newest.get('checkpoint'))[:12]}): materialize it for this one")
 
 
 def _where(meta: dict) -> tuple:

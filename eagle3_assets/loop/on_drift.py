@@ -1,7 +1,8 @@
 """Acting on drift: the jobs of the loop and the sensor that starts a retraining when drift is reported.
 
 - `retrain_on_traffic` (per engine): the newest traffic days retrained into a challenger to the drafter in
-  production, the promotion gate, the promotion when the gate passes, the rollout. Its runs carry the tag
+  production, the promotion gate, the challenger's speculation schedule and its promotion when the gate passes, the
+  rollout. Its runs carry the tag
   eagle3/retrain=<engine>: with the queue's limit of one per value (dagster_home/dagster.yaml), two at once for
   one engine never run together, and the sensor starts none while one is queued or running.
 - `rollout` (per engine): the production drafter put on the servers again (after a promotion or a rollback by hand).
@@ -32,14 +33,15 @@ RETRAIN_TAG = "eagle3/retrain"
 REPORT, RETRAIN_DATA, TRAFFIC = dg.AssetKey("drift_report"), dg.AssetKey("retrain_data"), dg.AssetKey("traffic")
 CONFIG_ENV = "EAGLE3_RETRAIN_CONFIG"  # a run-config YAML the sensor's retrainings run with (sizes, engine launch)
 LOOP = ["retrain_data", "retrain_conversations", "retrain_shards", "challenger_drafter", "challenger_export",
-        "promotion_gate", "production_drafter", "rollout"]
+        "promotion_gate", "challenger_schedule", "production_drafter", "rollout"]
 
 retrain_on_traffic_job = dg.define_asset_job(
     "retrain_on_traffic", selection=LOOP, partitions_def=engine_partitions,
     config=dg.PartitionedConfig(partitions_def=engine_partitions, run_config_for_partition_key_fn=lambda key: {},
                                 tags_for_partition_key_fn=lambda key: {RETRAIN_TAG: key}),
     description="the newest traffic days into a challenger finetuned from the drafter in production, the promotion "
-                "gate, the promotion when it passes, the rollout (partition: the engine)")
+                "gate, the challenger's speculation schedule and its promotion when the gate passes, the rollout "
+                "(partition: the engine)")
 # today's traffic read again while a drift waits for it (retrain_on_drift_sensor, every reread_every_s)
 read_traffic_job = dg.define_asset_job("read_traffic", selection=["traffic"], partitions_def=traffic_partitions,
                                        description="today's traffic read again from the gateway's logs, for a "

@@ -152,7 +152,7 @@ def _gate_passed(context, engine: str) -> dict:
     return meta
 
 
-@dg.asset(group_name="loop", partitions_def=engine_partitions, deps=["promotion_gate"],
+@dg.asset(group_name="loop", partitions_def=engine_partitions, deps=["promotion_gate", "challenger_schedule"],
           code_version=code_version(__name__, "production_drafter"))
 def production_drafter(context: dg.AssetExecutionContext, config: ProductionConfig) -> dg.MaterializeResult:
     """Which export serves in production on the engine (partition), and the decision that put it there: the gate's

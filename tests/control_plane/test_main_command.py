@@ -123,7 +123,7 @@ def test_the_ui_serves_the_graph_and_the_first_runs(home):
                                                    "traffic", "traffic_acceptance", "drift_report")},
                          **{a: "loop" for a in ("retrain_data", "retrain_conversations", "retrain_shards",
                                                 "challenger_drafter", "challenger_export", "promotion_gate",
-                                                "production_drafter", "rollout")}}
+                                                "challenger_schedule", "production_drafter", "rollout")}}
         runs = data["runsOrError"]["results"]
         # check_host, prepare_data (synthetic_prompts among them), 3 shards, train_drafter, measure_schedule and
         # benchmark_serving (vllm)

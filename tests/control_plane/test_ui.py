@@ -97,8 +97,8 @@ def test_the_catalog_shows_every_asset(ui, page):
                             "speculation_schedule", "serving_benchmark", "benchmark_history", "benchmark_regression",
                             "integration_drafter", "integration_check", "traffic", "traffic_acceptance",
                             "drift_report", "retrain_data", "retrain_conversations", "retrain_shards",
-                            "challenger_drafter", "challenger_export", "promotion_gate", "production_drafter",
-                            "rollout"])
+                            "challenger_drafter", "challenger_export", "promotion_gate", "challenger_schedule",
+                            "production_drafter", "rollout"])
     for name in names:
         page.get_by_text(name, exact=True).first.wait_for()
 

@@ -21,6 +21,7 @@ import yaml
 
 from conftest import Graph
 from daemon_harness import ROOT, start_daemon, stop_daemon
+from eagle3_assets.assets.speculation_schedule import schedule_for
 from eagle3_assets.common import load_mix, spec_counters
 from eagle3_assets.eye.drift import DRIFT_TAG, LIVE_CHECK
 from eagle3_assets.eye.live_acceptance import asset_key
@@ -262,6 +263,12 @@ def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_roll
         assert story.champion == champion
         assert now["decision"] == "promoted by the gate" and now["replaced"] == p.graph.data_version("eagle3_drafter")
         assert now["traffic_days"] and now["version"] == gate["challenger"]
+        # the challenger's schedule was measured before its promotion, beside its export, where a rollout's
+        # {speculative_config} and serving_benchmark find it
+        sched = p.graph.latest("challenger_schedule", "vllm")
+        assert sched["checkpoint"] == now["version"]
+        assert (Path(now["export_path"]).parent / "vllm-launch" / "load_curve.json").is_file()
+        assert schedule_for(p.graph.instance, "vllm", now["version"])[0]["schedule_text"] == sched["schedule_text"]
         # the speedups were weighed by the load prod-a served (one request at a time from the story's gateway)
         assert gate["load_mix_from"].startswith("the production's load mix, observed on prod-a"), gate["load_mix_from"]
         figs = gate["figures"]

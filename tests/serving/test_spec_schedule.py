@@ -167,3 +167,29 @@ def test_the_rollouts_restart_gets_the_schedule_measured_for_the_drafter(tmp_pat
     argv = restart.command(server, str(export))
     assert argv[argv.index("--drafter") + 1] == str(export)
     assert argv[argv.index("--speculative-config") + 1] == str(launch / "speculative_config.vllm.json")
+
+
+def test_a_drafter_the_loop_promoted_is_served_with_its_challengers_schedule():
+    """serving_benchmark, the serving eye and the rollout find a checkpoint's schedule whichever asset measured it:
+    speculation_schedule for the main drafter, challenger_schedule for one the loop promoted; a newer schedule of
+    another checkpoint does not hide it, and a checkpoint never measured is named."""
+    import dagster as dg
+
+    from eagle3_assets.assets.speculation_schedule import schedule_for
+
+    with dg.instance_for_test() as instance:
+        def measured(asset: str, checkpoint: str, text: str):
+            instance.report_runless_asset_event(dg.AssetMaterialization(
+                asset, partition="vllm", metadata={"checkpoint": checkpoint, "schedule_text": text}))
+
+        measured("speculation_schedule", "a" * 32, "1-2: k=3, 3-1024: off")
+        measured("challenger_schedule", "b" * 32, "1-4: k=2, 5-1024: off")
+        measured("speculation_schedule", "c" * 32, "1-1024: k=1")
+        assert schedule_for(instance, "vllm", "b" * 32)[0]["schedule_text"] == "1-4: k=2, 5-1024: off"
+        assert schedule_for(instance, "vllm", "a" * 32)[0]["schedule_text"] == "1-2: k=3, 3-1024: off"
+        measured("challenger_schedule", "a" * 32, "1-8: k=2, 9-1024: off")  # measured again, later, by the loop
+        assert schedule_for(instance, "vllm", "a" * 32)[0]["schedule_text"] == "1-8: k=2, 9-1024: off"
+        none, why = schedule_for(instance, "vllm", "d" * 32)
+        assert none is None and f"no speculation_schedule on vllm was measured for checkpoint {'d' * 12}" in why
+        assert schedule_for(instance, "sglang", "a" * 32) == (None, "no speculation_schedule on sglang: materialize it "
+                                                                    "(job measure_schedule) for this checkpoint")
