@@ -9,6 +9,10 @@
   materialized `traffic` day is replayed by the drafter served (traffic_acceptance); a replay whose acceptance falls
   below the drafter's eval figure by more than `drift.offline_drop` starts a report run.
 
+An acceptance length near 1 (drift.collapse_below) is a collapse, not drift: an error, reported at once without a
+replay (collapse.py), and never retrained on. A window that cannot be judged fails the check as a warning, and as an
+error once it lasts drift.unjudged_after_s.
+
 A drift is reported when it starts, when the server's drafter changes while it lasts, and again every
 `drift.report_every_s`: a sensor's cursor keeps each server's state, so a lasting drift is not a report a minute."""
 
@@ -35,8 +39,17 @@ check_traffic_job = dg.define_asset_job(
 
 
 def judge(drafter: str | None, win: dict, info: dict, settings: DriftSettings) -> dict:
-    """A server's live window against its drafter's benchmark: {"state": drift | fits | unknown, "why", "drop"}."""
+    """A server's live window against its drafter's benchmark: {"state": collapse | drift | fits | unknown, "why",
+    "drop"}."""
     live, bench = win["acceptance_length"], info["benchmark_acceptance_length"]
+    if drafter is not None and win["num_drafts"] >= settings.min_drafts and live is not None and \
+            live <= settings.collapse_below:  # judged with or without a reference figure: none is needed for this
+        return {"state": "collapse", "drop": None,
+                "why": f"acceptance length {live:.3f} over {win['num_drafts']} speculative steps in the last "
+                       f"{settings.window_s} s (collapse at {settings.collapse_below:g} or less): the drafter's tokens "
+                       "are almost never accepted. A collapse, not drift: an integration fault of the server (its "
+                       "speculative method, aux layers, draft vocabulary, attention backend), which retraining "
+                       "cannot fix; the drift report lists the evidence"}
     if drafter is None:
         return {"state": "unknown", "drop": None, "why": "no read of the server names the drafter it serves yet: "
                 "wait for live_acceptance_sensor, or set drafter in the servers file"}
@@ -66,13 +79,26 @@ def live_state(instance: dg.DagsterInstance, server: Server, settings: DriftSett
     return {"drafter": drafter, "window": win, "info": info, **judge(drafter, win, info, settings)}
 
 
-def check_evaluation(server: Server, state: dict) -> dg.AssetCheckEvaluation:
+def check_evaluation(server: Server, state: dict, unjudged_s: float = 0, settings: DriftSettings | None = None
+                     ) -> dg.AssetCheckEvaluation:
+    """Passed only when judged and within the drop. A window that cannot be judged is a WARN-severity failure, not a
+    pass (the UI paints it as a warning, not green: "not judged" is not "fits"), saying why; one unjudged for longer
+    than drift.unjudged_after_s is an ERROR, the server itself reported."""
     win, info = state["window"], state["info"]
+    limit = settings.unjudged_after_s if settings else 0
+    long_blind = state["state"] == "unknown" and limit and unjudged_s >= limit
+    why = state["why"]
+    if state["state"] == "unknown":
+        why = (f"not judged for {unjudged_s / 60:.0f} min (drift.unjudged_after_s {limit} s): " if long_blind
+               else "not judged: ") + why
     return dg.AssetCheckEvaluation(
-        asset_key=asset_key(server.name), check_name=LIVE_CHECK, passed=state["state"] != "drift",
-        severity=dg.AssetCheckSeverity.WARN, description=state["why"],
+        asset_key=asset_key(server.name), check_name=LIVE_CHECK, passed=state["state"] == "fits",
+        severity=dg.AssetCheckSeverity.ERROR if long_blind or state["state"] == "collapse"
+        else dg.AssetCheckSeverity.WARN, description=why,
         metadata={"state": state["state"], "num_drafts": win["num_drafts"], "drafter": state["drafter"] or "unknown",
                   "checkpoint": info["checkpoint"] or "not exported by this instance",
+                  "reference": info["benchmark_from"] or "none",
+                  **({"unjudged_s": round(unjudged_s)} if state["state"] == "unknown" else {}),
                   # numbers only where measured: the UI plots each one over the check's history
                   **{k: v for k, v in (("live_acceptance_length", win["acceptance_length"]),
                                        ("benchmark_acceptance_length", info["benchmark_acceptance_length"]))
@@ -91,9 +117,10 @@ def newest_traffic_day(instance: dg.DagsterInstance) -> str | None:
 def report_request(instance: dg.DagsterInstance, server: Server, state: dict, settings: DriftSettings,
                    now: float) -> dg.RunRequest:
     """A live drift's report run: with `locate`, today's traffic read and replayed by the served drafter first."""
-    day = newest_traffic_day(instance) if settings.locate else None
+    collapse = state["state"] == "collapse"  # the server's fault, not the traffic's: nothing to replay
+    day = newest_traffic_day(instance) if settings.locate and not collapse else None
     win, info = state["window"], state["info"]
-    config = {"signal": "live", "server": server.name, "drafter": state["drafter"],
+    config = {"signal": "collapse" if collapse else "live", "server": server.name, "drafter": state["drafter"],
               "live_acceptance_length": win["acceptance_length"], "num_drafts": win["num_drafts"],
               "window_s": settings.window_s, "benchmark_acceptance_length": info["benchmark_acceptance_length"],
               "benchmark_from": info["benchmark_from"], "traffic_day": day, "observed_at": now}
@@ -106,7 +133,7 @@ def report_request(instance: dg.DagsterInstance, server: Server, state: dict, se
     # the report alone is unpartitioned: a partition key would ask Dagster for a partitioned selection
     return dg.RunRequest(run_key=f"live-{server.name}-{int(now)}", asset_selection=selection,
                          partition_key=day,
-                         run_config={"ops": ops}, tags={DRIFT_TAG: f"live:{server.name}"})
+                         run_config={"ops": ops}, tags={DRIFT_TAG: f"{'collapse' if collapse else 'live'}:{server.name}"})
 
 
 def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[dg.AssetChecksDefinition]]:
@@ -125,7 +152,8 @@ def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[d
         """Run from the UI, the live drift sensor's judgement now (the sensor records it as it changes)."""
         for s in parsed.servers:
             if dg.AssetCheckKey(asset_key(s.name), LIVE_CHECK) in context.selected_asset_check_keys:
-                e = check_evaluation(s, live_state(context.instance, s, settings, time.time()))
+                e = check_evaluation(s, live_state(context.instance, s, settings, time.time()))  # the blind
+                # spell's length is the sensor's to keep (its cursor): judged here on the window alone
                 yield dg.AssetCheckResult(asset_key=e.asset_key, check_name=LIVE_CHECK, passed=e.passed,
                                           severity=e.severity, description=e.description, metadata=e.metadata)
 
@@ -138,15 +166,26 @@ def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[d
         events, requests = [], []
         for s in parsed.servers:
             state, before = live_state(context.instance, s, settings, now), cursor.get(s.name, {})
+            if state["state"] != "unknown":
+                before.pop("unjudged_since", None)
+            else:
+                before.setdefault("unjudged_since", now)
+            unjudged = now - before.get("unjudged_since", now)
+            long_blind = bool(settings.unjudged_after_s and unjudged >= settings.unjudged_after_s)
             if state["state"] != before.get("state") or state["drafter"] != before.get("drafter") or \
+                    long_blind != before.get("long_blind", False) or \
                     now - before.get("checked", 0) >= settings.window_s:  # a verdict as it changes, else per window
-                events.append(check_evaluation(s, state))
+                events.append(check_evaluation(s, state, unjudged, settings))
                 before["checked"] = now
+                if long_blind and not before.get("long_blind"):
+                    context.log.warning(f"{s.name}: its live acceptance has not been judged for {unjudged / 60:.0f} "
+                                        f"min: {state['why']}")
+            before["long_blind"] = long_blind
             # the last verdict judged: a window too thin to judge (traffic paused) neither ends a drift nor starts one
             judged = state["state"] if state["state"] != "unknown" else before.get("judged")
             again = settings.report_every_s and now - before.get("reported", 0) >= settings.report_every_s
-            if state["state"] == "drift" and (before.get("judged") != "drift" or
-                                              state["drafter"] != before.get("drafter") or again):
+            if state["state"] in ("drift", "collapse") and (before.get("judged") != state["state"] or
+                                                            state["drafter"] != before.get("drafter") or again):
                 requests.append(report_request(context.instance, s, state, settings, now))
                 before["reported"] = now
             cursor[s.name] = {**before, "state": state["state"], "judged": judged,

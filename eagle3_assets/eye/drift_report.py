@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ..code_versions import code_version
 from ..common import charts
-from . import served
+from . import collapse, served
 from .servers_file import drift_settings
 from .traffic_acceptance import fmt, groups_table, lowest_table
 
@@ -22,7 +22,7 @@ REPLAY = dg.AssetKey("traffic_acceptance")
 class DriftReportConfig(dg.Config):
     """Filled in by the sensor that fired (drift.py)."""
 
-    signal: Literal["live", "offline"] = Field(description="the signal that launched the report")
+    signal: Literal["live", "offline", "collapse"] = Field(description="the signal that launched the report")
     server: str | None = Field(default=None, description="live: the server whose acceptance fell")
     drafter: str | None = Field(default=None, description="the drafter it serves (a path on the host)")
     live_acceptance_length: float | None = None
@@ -127,6 +127,13 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                          f"{config.window_s} s at an acceptance length of {config.live_acceptance_length:.3f}, "
                          f"{live_drop:.1%} below the drafter's benchmarked {config.benchmark_acceptance_length:.3f} "
                          f"({config.benchmark_from}; threshold {settings.live_drop:.0%}).")
+    if config.signal == "collapse":
+        facts = collapse.evidence(context.instance, config.server or "", ckpt)
+        fired.append("collapse")
+        meta.update(kind="collapse, not drift", live_acceptance_length=round(config.live_acceptance_length or 0, 4),
+                    evidence=dg.MetadataValue.json(facts), causes_found=len(collapse.found(facts)))
+        lines.append(collapse.line(config.server or "", config.num_drafts, config.window_s,
+                                   config.live_acceptance_length or 0.0, facts))
     if config.server:
         load_meta, load_line = load_moved(context, config.server, config.window_s or settings.window_s,
                                           config.observed_at)
@@ -144,7 +151,7 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                      f"{replay['acceptance_length']:.3f} against {reference:.3f} on its eval set "
                      f"({replay.get('eval_reference')}): {replay.get('drop', 0):.1%} lower (threshold "
                      f"{settings.offline_drop:.0%})." if reference else "**Offline**: no eval figure to compare.")
-    else:
+    elif config.signal != "collapse":  # a collapse is not located in the traffic
         lines.append("**Where**: no traffic replay to locate it: set EAGLE3_TRAFFIC_LOGS (or materialize a "
                      "`traffic` partition) and keep `drift.locate` on, or materialize traffic_acceptance by hand.")
     low = where(replay.get("groups") or [], reference, settings.offline_drop)

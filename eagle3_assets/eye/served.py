@@ -15,6 +15,8 @@ from .servers_file import Server, asset_key
 INPUT_VERSION = "dagster/input_data_version/"
 EXPORT, BENCHMARK, OFFLINE = dg.AssetKey("drafter_export"), dg.AssetKey("serving_benchmark"), dg.AssetKey("offline_acceptance")
 DRAFTER = dg.AssetKey("eagle3_drafter")
+# the loop's drafters: a challenger is exported by challenger_export and judged by promotion_gate
+CHALLENGER_EXPORT, GATE = dg.AssetKey("challenger_export"), dg.AssetKey("promotion_gate")
 ROLLOUT = dg.AssetKey("rollout")
 SCAN = 500  # materializations looked through, newest first
 
@@ -28,11 +30,13 @@ def _input_version(rec, asset: str) -> str | None:
 
 
 def export_record(instance: dg.DagsterInstance, drafter: str | None):
-    """The drafter_export materialization a served drafter path is: its path exactly, else a path holding its
-    directory name (exports/<checkpoint[:12]>/<dialect>, kept when the export is copied to the serving machines)."""
+    """The drafter_export (or the loop's challenger_export) materialization a served drafter path is: its path
+    exactly, else a path holding its directory name (exports/<checkpoint[:12]>/<dialect>, kept when the export is
+    copied to the serving machines)."""
     if not drafter:
         return None
-    recs = instance.fetch_materializations(EXPORT, limit=SCAN).records
+    recs = sorted((r for key in (EXPORT, CHALLENGER_EXPORT) for r in instance.fetch_materializations(key, limit=SCAN).records),
+                  key=lambda r: -r.storage_id)
     want = drafter.rstrip("/")
     for rec in recs:
         if any(str(v).rstrip("/") == want for k, v in meta(rec).items() if k.endswith("_path")):
@@ -46,11 +50,11 @@ def export_record(instance: dg.DagsterInstance, drafter: str | None):
 
 
 def checkpoint(instance: dg.DagsterInstance, drafter: str | None) -> str | None:
-    """The eagle3_drafter data version a drafter path holds: the checkpoint an export was made from, or a trained
-    checkpoint's own; None for a drafter this instance did not make."""
+    """The checkpoint a drafter path holds (the eagle3_drafter or challenger_drafter data version an export was made
+    from, or a trained checkpoint's own); None for a drafter this instance did not make."""
     rec = export_record(instance, drafter)
     if rec is not None:
-        return _input_version(rec, "eagle3_drafter")
+        return _input_version(rec, "eagle3_drafter") or _input_version(rec, "challenger_drafter")
     for rec in instance.fetch_materializations(DRAFTER, limit=SCAN).records if drafter else []:
         if str(meta(rec).get("path", "")).rstrip("/") in (drafter.rstrip("/"), str(PurePosixPath(drafter).parent)):
             return (rec.event_log_entry.asset_materialization.tags or {}).get("dagster/data_version")
@@ -120,17 +124,44 @@ def window(obs: list[dict], drafter: str | None, since: float) -> dict:
             "since": since, "until": picked[-1]["t"] if picked else None}
 
 
+def gate_figure(instance: dg.DagsterInstance, ckpt: str | None, engine: str) -> dict | None:
+    """The newest promotion gate's eval figure of a checkpoint that was its challenger or its champion (a drafter
+    the loop made has no serving_benchmark, and the gate served it at production settings): {acceptance_length,
+    k, max_new_tokens, label, when, run_id}, or None."""
+    if not ckpt:
+        return None
+    for rec in instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=GATE, asset_partitions=[engine]),
+                                               limit=50).records:
+        m = meta(rec)
+        for label in ("challenger", "champion"):
+            got = (((m.get("figures") or {}).get(label) or {}).get("eval") or {}).get("acceptance_length")
+            if m.get(label) == ckpt and got is not None:
+                return {"acceptance_length": float(got), "k": m.get("num_speculative_tokens"), "label": label,
+                        "max_new_tokens": m.get("max_new_tokens"), "when": rec.timestamp, "run_id": rec.run_id}
+    return None
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
 def describe(instance: dg.DagsterInstance, server: Server, drafter: str | None) -> dict:
-    """What the served drafter is in this instance: its checkpoint and its newest benchmark on the server's engine
-    (else the servers file's figure)."""
+    """What the served drafter is in this instance: its checkpoint and the figure its live acceptance is held to:
+    its newest serving_benchmark on the server's engine, else (a drafter the loop promoted) the newest promotion
+    gate's eval figure for it, else the servers file's figure."""
     ckpt = checkpoint(instance, drafter)
     bench = benchmarks(instance, ckpt, server.engine)
     out = {"checkpoint": ckpt, "benchmark_acceptance_length": None, "benchmark_k": None, "benchmark_from": None}
+    gate = None if bench and bench[0]["acceptance_length"] is not None else gate_figure(instance, ckpt, server.engine)
     if bench and bench[0]["acceptance_length"] is not None:
         out.update(benchmark_acceptance_length=float(bench[0]["acceptance_length"]),
                    benchmark_k=bench[0]["num_speculative_tokens"],
-                   benchmark_from=f"serving_benchmark {time.strftime('%Y-%m-%d %H:%M', time.localtime(bench[0]['when']))} "
-                                  f"(run {bench[0]['run_id'][:8]})")
+                   benchmark_from=f"serving_benchmark {_when(bench[0]['when'])} (run {bench[0]['run_id'][:8]})")
+    elif gate is not None:
+        out.update(benchmark_acceptance_length=gate["acceptance_length"], benchmark_k=gate["k"],
+                   benchmark_from=f"promotion_gate {_when(gate['when'])} (run {gate['run_id'][:8]}): the "
+                                  f"{gate['label']}'s acceptance on the eval set, k={gate['k']}, "
+                                  f"{gate['max_new_tokens']} new tokens")
     elif server.benchmark_acceptance_length is not None:
         out.update(benchmark_acceptance_length=server.benchmark_acceptance_length,
                    benchmark_from="the servers file (benchmark_acceptance_length)")

@@ -79,6 +79,12 @@ class DriftSettings(BaseModel):
     replay_limit: int = Field(default=48, gt=0, description="traffic prompts a report's replay takes")
     offline_interval_s: int = Field(default=600, ge=10, description="how often the traffic drift sensor looks for a "
                                     "new traffic day (when it is turned on)")
+    collapse_below: float = Field(default=1.1, ge=1, description="a window (of min_drafts steps or more) whose "
+                                  "acceptance length is at most this is a collapse, not drift: the drafter's tokens "
+                                  "are almost never accepted, an integration fault; an error, never a retraining")
+    unjudged_after_s: int = Field(default=3600, ge=0, description="a server whose live acceptance could not be judged "
+                                  "for this long (no reference figure, too few steps, another k) is reported: its "
+                                  "check turns from a warning to an error (0: never)")
 
 
 class ServersFile(BaseModel):

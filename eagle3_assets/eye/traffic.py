@@ -89,10 +89,12 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
     read_s = time.monotonic() - t0
     for p in stats.problems[:20]:
         context.log.warning(f"skipped: {p}")
+    day_status = "read"
     if not stats.in_day:
         seen = sorted(stats.other_days)
-        context.log.warning(f"none of the {stats.records} requests read is of {day}" +
-                            (f" (they are of {seen[0]} to {seen[-1]})" if seen else "") + ": the partition is empty")
+        day_status = (f"empty: none of the {stats.records} requests read is of {day}" +
+                      (f" (they are of {seen[0]} to {seen[-1]})" if seen else ""))
+        context.log.warning(f"{day_status}: the partition is empty")
 
     rel_cands, rel_out = f"{TRAFFIC_DIR}/.candidates-{day}.parquet", f"{TRAFFIC_DIR}/{day}.parquet"
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +114,7 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
                             f"{keep - kept} of the {keep} candidates while the day held more requests; raise "
                             f"oversample (now {config.oversample:g}) for a full sample")
     return run.materialize_result(
-        day=day, timezone=traffic_partitions.timezone,
+        day=day, timezone=traffic_partitions.timezone, day_status=day_status,
         requests_read=stats.records, requests_in_day=stats.in_day,
         requests_other_days=sum(stats.other_days.values()), placed_by_file_name=stats.placed_by_file_name,
         bad_records_skipped=stats.bad_records_skipped, no_user_message=stats.no_user_message,

@@ -7,8 +7,9 @@
   one engine never run together, and the sensor starts none while one is queued or running.
 - `rollout` (per engine): the production drafter put on the servers again (after a promotion or a rollback by hand).
 - `retrain_on_drift_sensor`: off by default (GPU work, as schedules that spend the GPU are): each new drift report
-  starts `retrain_on_traffic` for the engine of the server it is about (the default engine for an offline one),
-  with the run config in EAGLE3_RETRAIN_CONFIG. A retraining that gave up for too little traffic (retrain_data
+  (a collapse excepted: an integration fault of the server, which retraining cannot fix) starts
+  `retrain_on_traffic` for the engine of the server it is about (the default engine for an offline one), with the
+  run config in EAGLE3_RETRAIN_CONFIG. A retraining that gave up for too little traffic (retrain_data
   waited wait_for_traffic_s) leaves its drift unanswered: the sensor says so (its skip reason, an observation on
   drift_report), reads today's traffic again every reread_every_s (`read_traffic`), and retries once per growth of
   the newest traffic day or per new day: the run key is the traffic seen, so ticks never repeat a retry."""
@@ -27,6 +28,7 @@ from ..assets.partitions import engine_partitions
 from ..common.engines import DEFAULT
 from ..eye.servers_file import ServersFile
 from ..eye.traffic import traffic_partitions
+from ..eye.traffic_days import read_traffic_job  # today's traffic read again while a drift waits for it
 from .retrain import TRAFFIC_READ_TAG, WAITING, RetrainDataConfig, traffic_prompts, traffic_read_config
 
 RETRAIN_TAG = "eagle3/retrain"
@@ -42,10 +44,6 @@ retrain_on_traffic_job = dg.define_asset_job(
     description="the newest traffic days into a challenger finetuned from the drafter in production, the promotion "
                 "gate, the challenger's speculation schedule and its promotion when the gate passes, the rollout "
                 "(partition: the engine)")
-# today's traffic read again while a drift waits for it (retrain_on_drift_sensor, every reread_every_s)
-read_traffic_job = dg.define_asset_job("read_traffic", selection=["traffic"], partitions_def=traffic_partitions,
-                                       description="today's traffic read again from the gateway's logs, for a "
-                                                   "drift whose retraining waits for traffic")
 rollout_job = dg.define_asset_job("rollout_drafter", selection=["rollout"], partitions_def=engine_partitions,
                                   description="put the drafter in production on the engine's servers, one at a time")
 
@@ -100,7 +98,12 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
             asset_key=REPORT, after_storage_id=cur.get("after")), limit=50, ascending=True).records
         for rec in recs:
             cur["after"] = rec.storage_id
-            server = getattr(rec.event_log_entry.asset_materialization.metadata.get("server"), "value", "")
+            m = rec.event_log_entry.asset_materialization.metadata
+            server = getattr(m.get("server"), "value", "")
+            if getattr(m.get("signal"), "value", "") == "collapse":  # the server's fault: retraining cannot fix it
+                said.append(f"drift report {rec.storage_id} is a collapse on {server}, not drift: not retrained "
+                            "(fix the server's integration: its report lists the evidence)")
+                continue
             engine = engines.get(server, DEFAULT)
             if active(instance, engine) or any(r.partition_key == engine for r in requests):
                 said.append(f"drift report {rec.storage_id}: a retraining for {engine} is queued or running")

@@ -100,3 +100,24 @@ def test_the_sensor_reads_each_new_result_once_and_walks_no_lineage(tmp_path, mo
         assert (config["new_storage_id"], config["old_storage_id"]) == (drop, second)  # not the sglang one
         assert config["why"].startswith("vllm: check speedup_above_1 failed")
         assert tick(checked.cursor).run_requests == [] and chains == []
+
+
+def test_each_finished_traffic_day_is_read_on_its_own_when_the_logs_are_set(tmp_path):
+    """The daily schedule asks for the day before its tick (where days begin), once per day; it is on by default only
+    where EAGLE3_TRAFFIC_LOGS names the logs (the code location reads it as it loads)."""
+    import subprocess
+    import sys
+
+    schedule = defs.get_schedule_def("read_traffic_daily")
+    job = defs.resolve_job_def(schedule.job_name)
+    assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == {"traffic"}
+    ctx = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 12, 5, 0, 30),
+                                    repository_def=defs.get_repository_def())
+    (request,) = schedule.evaluate_tick(ctx).run_requests
+    assert request.partition_key == "2026-12-04" and request.run_key == "traffic-2026-12-04"
+    status = "from eagle3_assets.eye.traffic_days import read_traffic_daily as s; print(s.default_status.value)"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "EAGLE3_TRAFFIC_LOGS"}
+    off = subprocess.run([sys.executable, "-c", status], env=env, capture_output=True, text=True, check=True)
+    on = subprocess.run([sys.executable, "-c", status], env={**env, "EAGLE3_TRAFFIC_LOGS": str(tmp_path / "*.jsonl")},
+                        capture_output=True, text=True, check=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("STOPPED", "RUNNING")

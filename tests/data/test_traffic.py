@@ -301,3 +301,20 @@ def test_a_partition_failing_on_a_bad_line_quotes_no_raw_value(tmp_path):
         events = [str(r.event_log_entry) for r in instance.get_records_for_run(res.run_id).records]
         assert events and not [e for e in events if RAW["email"] in e]
     assert not (tmp_path / "work" / "traffic").exists()  # nothing reached the host
+
+
+def test_a_day_with_no_requests_is_materialized_empty_and_says_so(tmp_path):
+    """The daily read of a day the gateway served nothing (its logs hold other days only): an empty partition whose
+    day_status says why, not a failure and not a missing day."""
+    log = _write(tmp_path / "gw.jsonl", [_req("what is a monad", "2026-12-01T08:00:00Z")])
+    host = LocalGpuHost(workdir=str(tmp_path / "work"))
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        run = dict(assets=all_assets, instance=instance, resources={"gpu_host": host})
+        assert dg.materialize(selection=["prompts"], **run, run_config={
+            "ops": {"prompts": {"config": {"include_humaneval": False}}}}).success
+        assert dg.materialize(selection=["traffic"], partition_key=DAY, **run, run_config={
+            "ops": {"traffic": {"config": {"sources": [str(log)]}}}}).success
+        ev = instance.get_latest_materialization_event(dg.AssetKey("traffic"))
+        meta = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+    assert meta["requests_in_day"] == 0 and meta["prompts"] == 0
+    assert meta["day_status"] == f"empty: none of the 1 requests read is of {DAY} (they are of 2026-12-01 to 2026-12-01)"

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY_TRAIN
 from eagle3_assets.eye import served
-from eagle3_assets.eye.drift import judge
+from eagle3_assets.eye.drift import check_evaluation, judge
 from eagle3_assets.eye.drift_report import where
 from eagle3_assets.eye.servers_file import DriftSettings, Server, asset_key, load_servers
 from eagle3_assets.story.gateway import OTHER_LANGUAGES
@@ -83,6 +83,54 @@ def test_the_live_judgement_says_why_it_does_not_judge():
     assert "no benchmark" in judge("/d", win, {"benchmark_acceptance_length": None}, s)["why"]
     assert "do not compare" in judge("/d", {**win, "k": 5}, info, s)["why"]
     assert judge(None, win, info, s)["state"] == "unknown"
+
+
+def test_not_judged_is_a_warning_not_a_pass_and_a_long_blind_spell_is_an_error():
+    s = DriftSettings(min_drafts=100, unjudged_after_s=3600)
+    server = Server(name="prod", url="http://127.0.0.1:1")
+    win = {"acceptance_length": 1.5, "num_drafts": 500, "k": 3}
+    info = {"benchmark_acceptance_length": None, "benchmark_k": None, "checkpoint": None, "benchmark_from": None}
+    state = {"drafter": "/d", "window": win, "info": info, **judge("/d", win, info, s)}
+    blind = check_evaluation(server, state, unjudged_s=600, settings=s)
+    assert not blind.passed and blind.severity == dg.AssetCheckSeverity.WARN
+    assert blind.description.startswith("not judged: no benchmark of the drafter served")
+    assert blind.metadata["unjudged_s"].value == 600
+    long = check_evaluation(server, state, unjudged_s=3700, settings=s)
+    assert not long.passed and long.severity == dg.AssetCheckSeverity.ERROR
+    assert long.description.startswith("not judged for 62 min (drift.unjudged_after_s 3600 s): no benchmark")
+    info = {**info, "benchmark_acceptance_length": 1.6, "benchmark_from": "serving_benchmark ..."}
+    fits = check_evaluation(server, {"drafter": "/d", "window": win, "info": info, **judge("/d", win, info, s)}, 0, s)
+    assert fits.passed and fits.metadata["reference"].value == "serving_benchmark ..."
+
+
+def test_a_drafter_the_loop_promoted_is_judged_against_its_gate_figures_and_the_next_loop_against_the_newer():
+    """The loop's drafters have no serving_benchmark: the eye ties a served challenger_export to its checkpoint and
+    holds it to the eval figure the gate measured it at; once a second gate held it as champion, to that one."""
+    first, second = "c" * 32, "d" * 32
+
+    def gate(instance, champion, challenger, champ_al, chall_al):
+        instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
+            "champion": champion, "challenger": challenger, "num_speculative_tokens": 3, "max_new_tokens": 64,
+            "figures": dg.MetadataValue.json({"champion": {"eval": {"acceptance_length": champ_al}},
+                                              "challenger": {"eval": {"acceptance_length": chall_al}}})}))
+
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            "challenger_export", metadata={"vllm_path": f"/srv/exports/{first[:12]}/vllm"},
+            tags={"dagster/input_data_version/challenger_drafter": first}))
+        server = Server(name="prod", url="http://127.0.0.1:1", engine="vllm")
+        # copied to the serving machine: the path differs, the export's directory name does not
+        served_path = f"/models/exports/{first[:12]}/vllm"
+        assert served.checkpoint(instance, served_path) == first
+        gate(instance, "a" * 32, first, 1.93, 1.90)
+        info = served.describe(instance, server, served_path)
+        assert info["checkpoint"] == first and info["benchmark_acceptance_length"] == 1.90 and info["benchmark_k"] == 3
+        assert "promotion_gate" in info["benchmark_from"] and \
+            info["benchmark_from"].endswith("the challenger's acceptance on the eval set, k=3, 64 new tokens")
+        gate(instance, first, second, 1.84, 1.80)  # the second loop: the first's challenger is its champion
+        info = served.describe(instance, server, served_path)
+        assert info["benchmark_acceptance_length"] == 1.84 and "the champion's acceptance" in info["benchmark_from"]
+        assert served.describe(instance, server, "/srv/exports/unknown/vllm")["benchmark_acceptance_length"] is None
 
 
 def test_the_servers_files_drift_section_is_checked_naming_the_field(tmp_path):
@@ -164,3 +212,73 @@ def test_the_replay_groups_todays_traffic_and_the_report_says_where_without_raw_
     every = json.dumps([meta, report], default=str) + "".join(
         p.read_text(errors="replace") for p in Path(built.workdir, "traffic").rglob("*") if p.suffix == ".log")
     assert "jeanne.martin@" not in every
+
+
+def test_acceptance_near_one_is_a_collapse_an_error_with_or_without_a_reference():
+    s = DriftSettings(min_drafts=100, collapse_below=1.1)
+    server = Server(name="prod", url="http://127.0.0.1:1")
+    info = {"benchmark_acceptance_length": None, "benchmark_k": None, "checkpoint": None, "benchmark_from": None}
+    win = {"acceptance_length": 1.03, "num_drafts": 400, "k": 3}
+    state = {"drafter": "/d", "window": win, "info": info, **judge("/d", win, info, s)}
+    assert state["state"] == "collapse" and "A collapse, not drift" in state["why"]
+    ev = check_evaluation(server, state, 0, s)
+    assert not ev.passed and ev.severity == dg.AssetCheckSeverity.ERROR
+    assert judge("/d", {**win, "num_drafts": 99}, info, s)["state"] == "unknown"  # too few steps to say
+    assert judge("/d", {**win, "acceptance_length": 1.4}, {**info, "benchmark_acceptance_length": 1.9}, s)["state"] \
+        == "drift"
+
+
+def test_a_collapse_report_says_collapse_not_drift_with_the_servers_launch_as_evidence(tmp_path, monkeypatch):
+    from eagle3_assets.eye.drift_report import make_drift_report
+    from eagle3_assets.eye.servers_file import SERVERS_ENV
+
+    servers = tmp_path / "servers.yaml"
+    servers.write_text("servers:\n  - name: prod\n    url: http://127.0.0.1:1\n    restart: [vllm, serve, /t, "
+                       "--speculative-config, '{\"method\": \"eagle\", \"model\": \"/d\"}']\n")
+    monkeypatch.setenv(SERVERS_ENV, str(servers))
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([make_drift_report([])], instance=instance, run_config={"ops": {"drift_report": {
+            "config": {"signal": "collapse", "server": "prod", "drafter": "/d", "live_acceptance_length": 1.02,
+                       "num_drafts": 400, "window_s": 60}}}}).success
+        ev = instance.get_latest_materialization_event(dg.AssetKey("drift_report"))
+        meta = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+    assert meta["signals_fired"] == "collapse" and meta["kind"] == "collapse, not drift"
+    assert meta["evidence"]["served_method"] == "eagle" and meta["causes_found"] == 1
+    report = meta["report"]
+    assert report.startswith("**Collapse, not drift**: prod served 400 speculative steps")
+    assert "Cause found: the server was started with speculative method 'eagle', not EAGLE-3" in report
+    assert "**Where**" not in report  # nothing to locate in the traffic
+
+
+def test_a_collapse_starts_no_retraining():
+    from eagle3_assets.eye.servers_file import ServersFile
+    from eagle3_assets.loop import on_drift as loop
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "a", "url": "http://127.0.0.1:1", "engine": "vllm"}]})
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={
+            "server": "a", "signal": "collapse"}))
+        got = loop.build(parsed)(dg.build_sensor_context(instance=instance))
+        assert not got.run_requests and "is a collapse on a, not drift: not retrained" in got.skip_reason.skip_message
+
+
+def test_the_live_sensor_reports_a_collapse_within_one_window_without_replaying_the_traffic(monkeypatch):
+    from eagle3_assets.eye import drift
+    from eagle3_assets.eye.servers_file import ServersFile
+
+    monkeypatch.setenv("EAGLE3_TRAFFIC_LOGS", "/nonexistent/*.jsonl")  # a drift would replay today's traffic
+    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1", "drafter": "/d"}],
+                                         "drift": {"window_s": 60, "min_drafts": 100}})
+    sensor = next(s for s in drift.build(parsed)[0] if s.name == "live_drift_sensor")
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/d", 1.02, 150)
+        _observe(instance, "/d", 1.04, 150)
+        got = sensor(dg.build_sensor_context(instance=instance))
+        (req,) = got.run_requests
+        config = req.run_config["ops"]["drift_report"]["config"]
+        assert config["signal"] == "collapse" and req.tags[drift.DRIFT_TAG] == "collapse:prod"
+        assert [k.to_user_string() for k in req.asset_selection] == ["drift_report"] and req.partition_key is None
+        (check,) = got.asset_events
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        again = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor))
+        assert not again.run_requests  # a lasting collapse is not a report a tick

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import dagster as dg
@@ -391,3 +392,45 @@ def _since_restart(obs: list[dict]) -> int:
     """Speculative steps counted from the first observation that saw the counters go back (0 before one)."""
     at = next((i for i, x in enumerate(obs) if x["status"].startswith("restarted")), None)
     return 0 if at is None else sum(int(x.get("num_drafts") or 0) for x in obs[at:])
+
+
+def test_a_planted_collapse_is_reported_as_a_collapse_within_one_window_and_starts_no_retraining(production):
+    """The production drafter's export copied with its aux layers shifted (vLLM captures layers 1-3 of the target, not
+    those it was trained on: acceptance near 1, as in the seed story) and served by vLLM; with the retraining sensor
+    on, the real daemon's live signal reports a collapse, not drift, naming the evidence, and nothing is retrained."""
+    p = production
+    src = Path(p.drafter)
+    broken = p.root / "broken" / src.parent.name / src.name  # the export's directory name: tied to its checkpoint
+    shutil.copytree(src, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    srv = _server(p.graph.latest("target_model")["path"], str(broken), free_port(), p.root / "broken.log")
+    window = 45
+    with srv:
+        srv.wait_ready(600)
+        daemon = Daemon(p, {"interval_s": 5, "drift": {"window_s": window, "min_drafts": 100}, "servers": [
+            {"name": "broken", "url": srv.base_url, "engine": "vllm", "drafter": str(broken)}]})
+        try:
+            daemon.cli("dagster", "sensor", "start", "retrain_on_drift_sensor", "-w", str(ROOT / "workspace.yaml"))
+            t0 = time.time()
+            daemon.wait("the sensor's first read", lambda: daemon.observations("broken", t0), lambda o: len(o) >= 1, 180)
+            t_load = time.time()
+            while not daemon.runs("collapse:broken") and time.time() - t_load < 300:
+                _load(srv.base_url, 4)
+            runs = daemon.wait("the collapse report run", lambda: daemon.runs("collapse:broken"), _finished, 300)
+            assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [r.status for r in runs]
+            report = _report(p.graph.instance, "collapse")
+            checks = daemon.checks("broken", t0)
+            print(f"\ncollapse: live {report['live_acceptance_length']} reported {report['t'] - t_load:.0f} s after "
+                  f"the load began (window {window} s); evidence {report['evidence']}")
+            assert report["t"] - t_load < window + 90  # one window, the sensor's tick and the report run
+            assert report["live_acceptance_length"] <= 1.1 and report["signals_fired"] == "collapse"
+            assert report["report"].startswith("**Collapse, not drift**: broken served")
+            assert report["checkpoint"] == p.graph.data_version("eagle3_drafter")
+            assert any(c["state"] == "collapse" and not c["passed"] for c in checks)
+            time.sleep(75)  # the retraining sensor ticks every 60 s: it has read the report by now
+            assert not p.graph.instance.get_runs(dg.RunsFilter(tags={"eagle3/retrain": "vllm"}, created_after=
+                                                              datetime.fromtimestamp(t0, tz=timezone.utc)))
+        finally:
+            daemon.cli("dagster", "sensor", "stop", "retrain_on_drift_sensor", "-w", str(ROOT / "workspace.yaml"))
+            daemon.stop()
