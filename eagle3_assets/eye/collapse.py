@@ -9,7 +9,7 @@ import os
 
 import dagster as dg
 
-from ..assets.serving import causes, diagnosis
+from ..assets.serving import causes, diagnosis  # noqa: F401 (causes: what the report counts)
 from ..common.launch import launch_facts
 from . import served
 from .servers_file import SERVERS_ENV, load_servers
@@ -46,7 +46,3 @@ def line(server: str, num_drafts: int | None, window_s: int | None, live: float 
             f"acceptance length of {live:.3f}: the drafter's tokens are almost never accepted. That is an integration "
             f"fault of the server, not a change in its traffic: retraining cannot fix it and none is started. "
             f"Evidence: {known}. {diagnosis(facts)}")
-
-
-def found(facts: dict) -> list[str]:
-    return causes(facts)

@@ -131,7 +131,7 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
         facts = collapse.evidence(context.instance, config.server or "", ckpt)
         fired.append("collapse")
         meta.update(kind="collapse, not drift", live_acceptance_length=round(config.live_acceptance_length or 0, 4),
-                    evidence=dg.MetadataValue.json(facts), causes_found=len(collapse.found(facts)))
+                    evidence=dg.MetadataValue.json(facts), causes_found=len(collapse.causes(facts)))
         lines.append(collapse.line(config.server or "", config.num_drafts, config.window_s,
                                    config.live_acceptance_length or 0.0, facts))
     if config.server:
