@@ -238,3 +238,15 @@ def sshd(tmp_path_factory):
     server = SshServer(tmp_path_factory.mktemp("sshd")).start()
     yield server
     server.stop()
+
+
+def served_response(accepted_per_step: list[int], k: int = 3) -> dict:
+    """A chat completion as vLLM returns it with --per-request-spec-decode-metrics summary (its fields' names)."""
+    hist = [accepted_per_step.count(j) for j in range(k + 1)]
+    steps, acc = len(accepted_per_step), sum(accepted_per_step)
+    return {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": "ok"}}],
+            "metrics": {"speculative_decoding": {
+                "mean_acceptance_length": 1 + acc / steps, "draft_acceptance_rate": acc / (steps * k),
+                "acceptance_histogram": hist, "num_spec_steps": steps, "num_accepted_draft_tokens": acc,
+                "num_draft_tokens": steps * k, "num_spec_tokens": k}}}
+

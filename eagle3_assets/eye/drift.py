@@ -114,9 +114,19 @@ def newest_traffic_day(instance: dg.DagsterInstance) -> str | None:
     return max(done) if done else None
 
 
+def locate_from(instance: dg.DagsterInstance, settings: DriftSettings) -> str:
+    """served, replay or both (drift.locate_from); auto is served when the newest traffic day held figures production
+    served per request (its gateway logs responses: the next day's will too), else replay."""
+    if settings.locate_from != "auto":
+        return settings.locate_from
+    recs = instance.fetch_materializations(TRAFFIC, limit=1).records
+    return "served" if recs and served.meta(recs[0]).get("requests_served") else "replay"
+
+
 def report_request(instance: dg.DagsterInstance, server: Server, state: dict, settings: DriftSettings,
                    now: float) -> dg.RunRequest:
-    """A live drift's report run: with `locate`, today's traffic read and replayed by the served drafter first."""
+    """A live drift's report run: with `locate`, today's traffic read first, and replayed by the served drafter unless
+    the acceptance production served per request locates it (locate_from)."""
     collapse = state["state"] == "collapse"  # the server's fault, not the traffic's: nothing to replay
     day = newest_traffic_day(instance) if settings.locate and not collapse else None
     win, info = state["window"], state["info"]
@@ -127,12 +137,15 @@ def report_request(instance: dg.DagsterInstance, server: Server, state: dict, se
     ops = {"drift_report": {"config": config}}
     selection = [REPORT]
     if day is not None:
-        selection = ([TRAFFIC] if os.environ.get(LOGS_ENV) else []) + [REPLAY, REPORT]
-        ops["traffic_acceptance"] = {"config": {"drafter": state["drafter"], "server": server.name,
-                                                "limit": settings.replay_limit}}
+        where = locate_from(instance, settings)
+        selection = ([TRAFFIC] if os.environ.get(LOGS_ENV) else []) + \
+            ([REPLAY] if where in ("replay", "both") else []) + [REPORT]
+        if REPLAY in selection:
+            ops["traffic_acceptance"] = {"config": {"drafter": state["drafter"], "server": server.name,
+                                                    "limit": settings.replay_limit}}
     # the report alone is unpartitioned: a partition key would ask Dagster for a partitioned selection
     return dg.RunRequest(run_key=f"live-{server.name}-{int(now)}", asset_selection=selection,
-                         partition_key=day,
+                         partition_key=day if selection != [REPORT] else None,
                          run_config={"ops": ops}, tags={DRIFT_TAG: f"{'collapse' if collapse else 'live'}:{server.name}"})
 
 

@@ -1,8 +1,10 @@
 """drift_report: made by a drift sensor's run (drift.py), like benchmark_regression. Which signal fired (live: a
 server's acceptance over a window below its drafter's benchmarked figure; offline: the drafter's replayed acceptance
 on the newest traffic below its eval figure), by how much, and where: acceptance per group of the traffic (kind,
-length, first words) beside each group's share of the training prompts, and the prompts of lowest acceptance
-(redacted). With it, what lineage says of the served drafter: its benchmarks and its live figures over time."""
+length, first words, the gateway fields a team named) as production served it, from the figures vLLM returned with
+each request (the `traffic` day holds them when the gateway logs responses), and, where the day was replayed, our
+replay's beside each group's share of the training prompts and the prompts of lowest acceptance (redacted). With it,
+what lineage says of the served drafter: its benchmarks and its live figures over time."""
 
 import time
 from typing import Literal
@@ -16,7 +18,7 @@ from . import collapse, served
 from .servers_file import drift_settings
 from .traffic_acceptance import fmt, groups_table, lowest_table
 
-REPLAY = dg.AssetKey("traffic_acceptance")
+REPLAY, TRAFFIC = dg.AssetKey("traffic_acceptance"), dg.AssetKey("traffic")
 
 
 class DriftReportConfig(dg.Config):
@@ -56,9 +58,52 @@ def where(groups: list[dict], reference: float | None, drop: float) -> list[dict
     """The groups whose acceptance is below the eval figure by more than `drop`, kinds first, lowest first."""
     if not reference:
         return []
-    order = {"kind": 0, "length_bucket": 1, "first_words": 2}
+    order = {"kind": 0, "length_bucket": 1, "first_words": 2}  # then the gateway's fields
     low = [g for g in groups if g["acceptance_length"] is not None and g["acceptance_length"] < reference * (1 - drop)]
-    return sorted(low, key=lambda g: (order[g["by"]], g["acceptance_length"]))
+    return sorted(low, key=lambda g: (order.get(g["by"], 3), g["acceptance_length"]))
+
+
+def served_day(context, day: str | None) -> tuple[str | None, dict]:
+    """The day's newest traffic partition (else the newest of any day) and its served figures, when its requests
+    carried them."""
+    flt = dg.AssetRecordsFilter(asset_key=TRAFFIC, asset_partitions=[day]) if day else TRAFFIC
+    recs = context.instance.fetch_materializations(flt, limit=1).records
+    m = served.meta(recs[0]) if recs else {}
+    return (recs[0].event_log_entry.asset_materialization.partition, m) if m.get("requests_served") else (None, {})
+
+
+def served_table(groups: list[dict], reference: float | None) -> str:
+    """The served groups, lowest acceptance first, as a Markdown table."""
+    lines = ["| by | group | requests | share | verify steps | acceptance length, served | vs reference |",
+             "|---|---|---|---|---|---|---|"]
+    for g in groups:
+        vs = f"{(g['acceptance_length'] - reference) / reference:+.1%}" if reference else "-"
+        lines.append(f"| {g['by']} | {g['value']} | {g['requests']} | {g['share']:.0%} | {g['steps']} | "
+                     f"{fmt(g['acceptance_length'])} | {vs} |")
+    return "\n".join(lines)
+
+
+def where_served(day: str, m: dict, reference: float | None, source: str, drop: float) -> tuple[dict, str]:
+    """The report's served lines: where the acceptance production served fell, below the reference by more than
+    `drop` (the day's own figure when no reference is known)."""
+    groups, overall = m.get("served_groups") or [], m["served_acceptance_length"]
+    ref, source = (reference, source) if reference else (overall, "the day's own served figure")
+    low = where(groups, ref, drop)
+    meta = {"served_day": day, "requests_served": m["requests_served"], "served_acceptance_length": overall,
+            "served_reference": ref}
+    head = (f"**Where, as served**: {m['requests_served']} requests of {day}'s traffic sample carry the acceptance "
+            f"vLLM served them ({m.get('served_steps')} verify steps, acceptance length {overall:.3f}; reference "
+            f"{ref:.3f}, {source}). ")
+    if not low:
+        return {**meta, "where_served": "no group below the reference by more than the threshold"}, \
+            head + f"No group is below it by more than {drop:.0%}."
+    w = low[0]
+    meta.update(where_served=f"{w['by']}={w['value']}", where_served_acceptance_length=w["acceptance_length"],
+                where_served_share=w["share"])
+    return meta, head + (f"Lowest: {w['by']} `{w['value']}` at {w['acceptance_length']:.3f} on {w['share']:.0%} of "
+                         "those requests" + ("; also low: " + ", ".join(
+                             f"{g['by']} `{g['value']}` {g['acceptance_length']:.3f}" for g in low[1:6])
+                             if len(low) > 1 else "") + ".")
 
 
 def _live_series(context, server: str, drafter: str | None) -> str:
@@ -151,9 +196,18 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                      f"{replay['acceptance_length']:.3f} against {reference:.3f} on its eval set "
                      f"({replay.get('eval_reference')}): {replay.get('drop', 0):.1%} lower (threshold "
                      f"{settings.offline_drop:.0%})." if reference else "**Offline**: no eval figure to compare.")
-    elif config.signal != "collapse":  # a collapse is not located in the traffic
-        lines.append("**Where**: no traffic replay to locate it: set EAGLE3_TRAFFIC_LOGS (or materialize a "
-                     "`traffic` partition) and keep `drift.locate` on, or materialize traffic_acceptance by hand.")
+    day_served, served_m = served_day(context, config.traffic_day) if config.signal != "collapse" else (None, {})
+    if served_m:
+        ref, source = ((config.benchmark_acceptance_length, config.benchmark_from) if config.benchmark_acceptance_length
+                       else (reference, "its eval set"))
+        served_meta, served_line = where_served(day_served, served_m, ref, source, settings.offline_drop)
+        meta.update(served_meta)
+        lines.append(served_line)
+    elif not replay and config.signal != "collapse":  # a collapse is not located in the traffic
+        lines.append("**Where**: no traffic replay nor served figures to locate it: set EAGLE3_TRAFFIC_LOGS (or "
+                     "materialize a `traffic` partition) and keep `drift.locate` on, or materialize "
+                     "traffic_acceptance by hand; a gateway that logs each response with vLLM's per-request metrics "
+                     "(--per-request-spec-decode-metrics summary) locates it without a replay.")
     low = where(replay.get("groups") or [], reference, settings.offline_drop)
     if low:
         w = low[0]
@@ -176,10 +230,12 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                 for b in bench[:5]] or ["- no serving_benchmark of this checkpoint in this instance"]
     if config.server:
         section.append(f"- {_live_series(context, config.server, drafter)}")
-    tables = (["", "### Acceptance per group of the traffic (lowest first)", "",
-               groups_table(replay.get("groups") or [], reference), "",
-               "### The prompts of lowest acceptance (redacted, cut)", "", lowest_table(replay.get("lowest") or [])]
-              if replay else [])
+    tables = (["", "### Acceptance per group, as production served it (lowest first)", "",
+               served_table(served_m.get("served_groups") or [], meta.get("served_reference"))] if served_m else [])
+    tables += (["", "### Acceptance per group of the traffic, replayed (lowest first)", "",
+                groups_table(replay.get("groups") or [], reference), "",
+                "### The prompts of lowest acceptance (redacted, cut)", "", lowest_table(replay.get("lowest") or [])]
+               if replay else [])
     report = "\n\n".join(lines) + "\n" + "\n".join(section + tables)
     context.log.warning(f"drift ({meta['signals_fired']}) for {config.server or drafter}: {meta.get('where', '')}")
     meta["report"] = dg.MetadataValue.md(report)
@@ -189,7 +245,7 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
 def make_drift_report(live_keys: list[dg.AssetKey]) -> dg.AssetsDefinition:
     """The report asset, downstream of the replay and of every watched server's live acceptance."""
 
-    @dg.asset(name="drift_report", group_name="serving", kinds={"dagster"}, deps=[REPLAY, *live_keys],
+    @dg.asset(name="drift_report", group_name="serving", kinds={"dagster"}, deps=[TRAFFIC, REPLAY, *live_keys],
               code_version=code_version(__name__, "report"))
     def drift_report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
         """Where and by how much a served drafter stopped fitting its traffic: made by the live or the traffic drift

@@ -76,6 +76,13 @@ class DriftSettings(BaseModel):
                                 "long (0: only when it starts)")
     locate: bool = Field(default=True, description="a live drift's report replays the newest traffic partition "
                          "(traffic_acceptance) to say where acceptance fell: a few minutes of the host, once per drift")
+    locate_from: Literal["auto", "served", "replay", "both"] = Field(default="auto", description="where a live "
+                                                                 "drift's report locates the fall: served, the "
+                                                                 "acceptance production served per request (a gateway "
+                                                                 "log with responses and vLLM's per-request metrics; "
+                                                                 "no host work); replay, our replay of the day on the "
+                                                                 "host; both; auto: served when the newest traffic "
+                                                                 "day held served figures, else replay")
     replay_limit: int = Field(default=48, gt=0, description="traffic prompts a report's replay takes")
     offline_interval_s: int = Field(default=600, ge=10, description="how often the traffic drift sensor looks for a "
                                     "new traffic day (when it is turned on)")

@@ -22,7 +22,7 @@ from pydantic import Field
 from ..assets.paths import HELD_OUT
 from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
-from ..common.prompts_table import PROMPTS_SCHEMA
+from ..common.prompts_table import TRAFFIC_SCHEMA
 from ..hosts import GpuHost, Held
 from ..sources.gateway_logs import TIMESTAMP_FIELDS, TrafficStats, read_day, redacted_rows
 from ..sources.prompt_files import PromptError
@@ -38,7 +38,6 @@ TRAFFIC_DIR = "traffic"  # <day>.parquet per partition, under the host work dire
 # morning's traffic; materializing it again later takes the rest of the day).
 traffic_partitions = dg.DailyPartitionsDefinition(start_date=os.environ.get(START_ENV) or "2026-01-01",
                                                   timezone=os.environ.get(TZ_ENV) or "UTC", end_offset=1)
-CANDIDATES = PROMPTS_SCHEMA.append(pa.field("timestamp", pa.float64()))
 
 
 class TrafficConfig(dg.Config, TrafficSampleSettings):
@@ -54,6 +53,9 @@ class TrafficConfig(dg.Config, TrafficSampleSettings):
                                         "first present wins, holding epoch seconds or an ISO 8601 time")
     phone_region: str = Field(default="US", description="the region a phone number without its +country code is "
                               "read as from (ISO 3166 code)")
+    group_fields: list[str] = Field(default=[], description="the gateway record's fields to cut acceptance by (a "
+                                    "tenant, a route; a dotted path reads into an object: metadata.tenant), kept "
+                                    "redacted beside each request")
     max_user_turns: int = Field(default=8, gt=0, description="keep at most this many user turns per request")
     max_message_chars: int = Field(default=8000, gt=0, description="truncate longer messages (after redaction)")
     on_bad_record: Literal["fail", "skip"] = Field(default="fail", description="what a malformed line does: fail "
@@ -81,7 +83,7 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
         cands = read_day(sources, window.start, window.end, seed=config.seed,
                          keep=int(config.max_prompts * config.oversample), max_user_turns=config.max_user_turns,
                          on_bad_record=config.on_bad_record, timestamp_fields=config.timestamp_fields, stats=stats,
-                         redactor=redactor)
+                         redactor=redactor, fields=config.group_fields)
         rows = redacted_rows(cands, redactor, config.max_message_chars, stats)
     except PromptError as e:  # redacted by read_day; `from None`: the raw one is not kept as its cause
         raise dg.Failure(description=str(e), allow_retries=False) from None
@@ -99,11 +101,12 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
     rel_cands, rel_out = f"{TRAFFIC_DIR}/.candidates-{day}.parquet", f"{TRAFFIC_DIR}/{day}.parquet"
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "candidates.parquet"
-        pq.write_table(pa.Table.from_pylist(rows, schema=CANDIDATES), local)
+        pq.write_table(pa.Table.from_pylist(rows, schema=TRAFFIC_SCHEMA), local)
         gpu_host.put_file(str(local), rel_cands)
     here = gpu_host.bring(context, [Held("prompts", p) for p in held_out])
     run = gpu_host.run_stage(context, "traffic_sample", {
         "candidates": rel_cands, "held_out": [here[p] for p in held_out], "out": rel_out,
+        "group_fields": config.group_fields,
         **config.model_dump(include=set(TrafficSampleSettings.model_fields))})
     files = [redactor.redact(u)[0] for u in stats.files_read]  # a URL may carry a key
     kept = (run.materialization.metadata or {}).get("prompts") if run.materialization else None
@@ -121,6 +124,7 @@ def traffic(context: dg.AssetExecutionContext, config: TrafficConfig, gpu_host: 
         exact_duplicates_dropped=stats.exact_duplicates, tool_messages_dropped=stats.tool_messages_dropped,
         empty_turns_dropped=stats.empty_turns_dropped, conversations_turn_capped=stats.turns_capped,
         messages_truncated=stats.messages_truncated, candidates_redacted=len(rows), sample_short=short,
+        requests_with_served_figures=stats.with_served,
         **{f"redacted_{k}": stats.redacted[k] for k in KINDS}, redacted_total=sum(stats.redacted.values()),
         files_read=len(files), files_skipped_by_name=stats.files_skipped_by_name,
         sources_read=dg.MetadataValue.json(files[:100]), held_out_sets=dg.MetadataValue.json(held_out),

@@ -15,6 +15,14 @@ partition's window (UTC days unless the partitions' time zone is set) decides. A
 placed by the date in its file's name (`gateway-2026-12-02.jsonl`, `20261202`); with none there either, it is a
 bad record. A file whose name carries a date more than a day away from the partition's is not opened.
 
+What production served: a record that holds the response beside the request (under `response` or `response_body`,
+as an object or its JSON text: the chat completion, or a stream's last chunk) carries, when vLLM serves with
+`--per-request-spec-decode-metrics summary`, that request's own speculative steps and draft tokens accepted and
+proposed (`metrics.speculative_decoding`); they are kept with the request (`served_*`), so that a day's traffic says
+where production accepted fewer drafts, at no GPU cost. A log of requests alone carries none: the drift report then
+replays the day. `fields`: the record's fields a team names (`tenant`, `route`, or a dotted path `metadata.tenant`),
+kept redacted beside the request, so that acceptance can be cut by them.
+
 The sample: every request of the day is ranked by a hash of the seed and its turns (stable: the same logs give the
 same sample, and more requests never swap out a kept one for one ranked after it); exact repeats are dropped as the
 candidates are chosen; only the first `keep` by rank are held in memory and redacted (redact.py)."""
@@ -41,6 +49,10 @@ from .redact import Redactor
 
 TIMESTAMP_FIELDS = ["timestamp", "time", "created", "created_at", "start_time"]
 BODY_FIELDS = ("body", "request")
+RESPONSE_FIELDS = ("response", "response_body")
+SPEC_METRICS = {"num_spec_steps": "served_steps", "num_accepted_draft_tokens": "served_accepted",
+                "num_draft_tokens": "served_drafted", "num_spec_tokens": "served_k"}  # vLLM's names -> ours
+FIELD_CHARS = 64  # a named field's value is cut to this after redaction: a key to group by, not a payload
 ROLE_ALIASES = {"developer": "system"}
 TOOL_ROLES = {"tool", "function", "ipython"}
 _NAME_DATE = re.compile(r"(?<!\d)(\d{4})-?(\d{2})-?(\d{2})(?!\d)")
@@ -62,6 +74,7 @@ class TrafficStats(LoadStats):
     tool_messages_dropped: int = 0
     exact_duplicates: int = 0
     redacted: Counter = field(default_factory=Counter)
+    with_served: int = 0  # requests of the day whose logged response carried per-request speculative figures
 
 
 @dataclass
@@ -69,6 +82,8 @@ class Candidate:
     rank: int
     conv: Conversation
     timestamp: float | None
+    served: dict | None = None  # SPEC_METRICS' values: what production served this request
+    fields: dict = field(default_factory=dict)  # the named fields' raw values (redacted with the text)
 
 
 def expand(sources: list[str]) -> list[str]:
@@ -148,17 +163,58 @@ def request_time(rec: dict, fields: list[str], place: str) -> datetime | None:
 
 def request_body(rec: dict, place: str) -> dict:
     """The chat-completions body: the record itself, or what a gateway's record holds under `body` / `request`."""
-    for k in BODY_FIELDS:
-        b = rec.get(k)
-        if isinstance(b, str):
+    return _json_field(rec, BODY_FIELDS, place, "a JSON request body") or rec
+
+
+def _json_field(rec: dict, names: tuple[str, ...], place: str, what: str) -> dict | None:
+    """The first of `names` the record holds as an object, or as the JSON text of one; None when it holds none."""
+    for k in names:
+        v = rec.get(k)
+        if isinstance(v, str):
             try:
-                b = json.loads(b)
+                v = json.loads(v)
             except json.JSONDecodeError as e:
-                raise TrafficError(f"{place}: {k!r} is text that is not a JSON request body ({e.msg} at column "
-                                   f"{e.colno}); fix that line, or set on_bad_record='skip'") from None
-        if isinstance(b, dict):
-            return b
-    return rec
+                raise TrafficError(f"{place}: {k!r} is text that is not {what} ({e.msg} at column {e.colno}); fix "
+                                   "that line, or set on_bad_record='skip'") from None
+        if isinstance(v, dict):
+            return v
+    return None
+
+
+def served_figures(rec: dict, place: str) -> dict | None:
+    """The request's speculative figures from the response logged with it (`metrics.speculative_decoding`, vLLM's
+    per-request metrics), or None when the record holds no response or the response none."""
+    resp = _json_field(rec, RESPONSE_FIELDS, place, "a JSON response body")
+    metrics = (resp or {}).get("metrics")
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    out = {}
+    for theirs, ours in SPEC_METRICS.items():
+        v = spec.get(theirs)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TrafficError(f"{place}: response metrics.speculative_decoding.{theirs} is {json_kind(v)}, not a "
+                               "count: the response was not logged as vLLM returned it; fix the gateway's log, or "
+                               "set on_bad_record='skip'")
+        out[ours] = v
+    if out["served_accepted"] > out["served_drafted"]:
+        raise TrafficError(f"{place}: response metrics.speculative_decoding counts more draft tokens accepted "
+                           f"({out['served_accepted']}) than proposed ({out['served_drafted']}): the figures are not "
+                           "vLLM's; fix the gateway's log, or set on_bad_record='skip'")
+    return out
+
+
+def named_fields(rec: dict, names: list[str]) -> dict:
+    """The record's fields a team named (`tenant`, `metadata.tenant`: a dotted path), as text; absent ones left out.
+    An object or a list is no key to group by: left out too."""
+    out = {}
+    for name in names:
+        v = rec
+        for part in name.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+            out[name] = str(v)
+    return out
 
 
 def request_messages(body: dict, place: str, stats: TrafficStats) -> list[dict]:
@@ -173,7 +229,7 @@ def request_messages(body: dict, place: str, stats: TrafficStats) -> list[dict]:
 
 def read_day(sources: list[str], start: datetime, end: datetime, *, seed: int, keep: int, max_user_turns: int,
              on_bad_record: str, timestamp_fields: list[str], stats: TrafficStats,
-             redactor: Redactor) -> list[Candidate]:
+             redactor: Redactor, fields: list[str] = ()) -> list[Candidate]:
     """The `keep` requests of [start, end) ranked first, each a conversation of raw text (held here only), in
     rank order. A bad record fails (a TrafficError whose message is redacted) or, with on_bad_record 'skip', is
     counted and its redacted problem kept in `stats.problems`."""
@@ -190,7 +246,8 @@ def read_day(sources: list[str], start: datetime, end: datetime, *, seed: int, k
             for place, rec in iter_records(url):
                 stats.records += 1
                 try:
-                    cand = _candidate(place, rec, named, start, end, seed, max_user_turns, timestamp_fields, stats)
+                    cand = _candidate(place, rec, named, start, end, seed, max_user_turns, timestamp_fields, stats,
+                                      fields)
                 except PromptError as e:
                     if on_bad_record != "skip":
                         raise
@@ -214,15 +271,16 @@ def read_day(sources: list[str], start: datetime, end: datetime, *, seed: int, k
 
 
 def _candidate(place: str, rec, named: date | None, start: datetime, end: datetime, seed: int,
-               max_user_turns: int, fields: list[str], stats: TrafficStats) -> Candidate | None:
+               max_user_turns: int, time_fields: list[str], stats: TrafficStats,
+               fields: list[str] = ()) -> Candidate | None:
     if isinstance(rec, PromptError):  # a line that is not a record (bad bytes, malformed JSON)
         raise rec
     if not isinstance(rec, dict):
         to_messages(rec, place)  # raises, naming what the line holds
-    t = request_time(rec, fields, place)
+    t = request_time(rec, time_fields, place)
     if t is None:
         if named is None:
-            raise TrafficError(f"{place}: no timestamp (none of the fields {fields}) and the file's name carries no "
+            raise TrafficError(f"{place}: no timestamp (none of the fields {time_fields}) and the file's name carries no "
                                "date (like gateway-2026-12-02.jsonl): the request's day is unknown. Log a timestamp, "
                                "name the files by day, set timestamp_fields, or set on_bad_record='skip'")
         in_day, when = named == start.date(), None
@@ -238,9 +296,11 @@ def _candidate(place: str, rec, named: date | None, start: datetime, end: dateti
         stats.no_user_message += 1  # a tool round or a system-only call: traffic, but no prompt to answer
         return None
     msgs = clean(msgs, place, max_user_turns, sys.maxsize, stats)  # truncated after redaction (a cut key leaks)
+    served = served_figures(rec, place)
+    stats.with_served += served is not None
     conv = Conversation(id="", source="traffic", messages=msgs)
     rank = int(hashlib.sha256(f"{seed}\0{conv.key}".encode()).hexdigest()[:16], 16)
-    return Candidate(rank, conv, when)
+    return Candidate(rank, conv, when, served, named_fields(rec, list(fields)))
 
 
 def redacted_rows(cands: list[Candidate], redactor: Redactor, max_message_chars: int,
@@ -258,6 +318,13 @@ def redacted_rows(cands: list[Candidate], redactor: Redactor, max_message_chars:
                 stats.messages_truncated += 1
             msgs.append({"role": m["role"], "content": text})
         conv = Conversation(id="", source=c.conv.source, messages=msgs)
+        named = {}
+        for k, v in c.fields.items():
+            text, found = redactor.redact(v)
+            stats.redacted.update(found)
+            named[k] = text[:FIELD_CHARS]
         rows.append({"id": conv.key[:16], "source": conv.source, "messages": msgs,
-                     "num_user_turns": sum(m["role"] == "user" for m in msgs), "timestamp": c.timestamp})
+                     "num_user_turns": sum(m["role"] == "user" for m in msgs), "timestamp": c.timestamp,
+                     **(c.served or dict.fromkeys(SPEC_METRICS.values())),
+                     "gateway_fields": json.dumps(named, ensure_ascii=False) if named else None})
     return rows

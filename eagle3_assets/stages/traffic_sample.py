@@ -13,6 +13,8 @@ class TrafficSampleSettings(Settings):
     dedup_threshold: float = Field(default=0.7, gt=0, le=1, description="Jaccard similarity of character 5-gram "
                                    "shingles (MinHash LSH, as synthetic_prompts) at which a prompt is a near duplicate "
                                    "of a held-out prompt or of one kept before it, and is dropped")
+    min_group: int = Field(default=3, gt=0, description="a group of requests is reported with its served acceptance "
+                           "with at least this many requests that carry served figures")
 
 
 class TrafficSampleArgs(Args, TrafficSampleSettings):
@@ -20,11 +22,13 @@ class TrafficSampleArgs(Args, TrafficSampleSettings):
                             "timestamp), in the seeded order the sample keeps them; removed once the sample is written")
     held_out: list[str] = Field(default=[], description="every held-out prompt set (Parquet): near copies dropped")
     out: str = Field(description="the day's sample (Parquet)")
+    group_fields: list[str] = Field(default=[], description="the gateway fields (in gateway_fields) to group by too")
 
 
 class TrafficSampleResult(Result):
     path: str
     prompts: int
+    requests_served: int = 0
 
 
 CONTRACT = Contract(TrafficSampleArgs, metadata=TrafficSampleResult)

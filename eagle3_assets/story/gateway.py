@@ -92,7 +92,10 @@ def chat_prompts(n: int) -> list[str]:
 
 
 class Gateway:
-    """Sends chat requests to `url` one at a time, each logged to `log` (JSONL) before it is sent."""
+    """Sends chat requests to `url` one at a time, each logged to `log` (JSONL) with its response once it is answered,
+    as a gateway's access log holds them: the request's time, its route, the request body and the response body
+    (which carries vLLM's per-request speculative figures when the server is started with
+    --per-request-spec-decode-metrics)."""
 
     def __init__(self, url: str, log: Path, max_tokens: int = 64):
         self.url, self.log, self.max_tokens, self.sent = url, log, max_tokens, 0
@@ -101,12 +104,15 @@ class Gateway:
         """One request; `log=False`: a monitor's probe, which the gateway's log (the traffic) never holds."""
         body = {"model": "target", "messages": [{"role": "user", "content": text}], "max_tokens": self.max_tokens,
                 "temperature": 0}
-        if log:
-            with open(self.log, "a") as f:
-                f.write(json.dumps({"timestamp": time.time(), "route": "/v1/chat/completions", "body": body}) + "\n")
+        t = time.time()
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=180) as r:
             assert r.status == 200
-            self.sent += 1
-            return json.loads(r.read())
+            response = json.loads(r.read())
+        self.sent += 1
+        if log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"timestamp": t, "route": "/v1/chat/completions", "body": body,
+                                    "response": response}) + "\n")
+        return response

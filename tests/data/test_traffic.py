@@ -17,7 +17,7 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import failure_text
+from conftest import failure_text, served_response
 from eagle3_assets.definitions import all_assets
 from eagle3_assets.hosts import LocalGpuHost
 from eagle3_assets.sources.gateway_logs import TrafficError, TrafficStats, read_day, redacted_rows
@@ -318,3 +318,42 @@ def test_a_day_with_no_requests_is_materialized_empty_and_says_so(tmp_path):
         meta = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
     assert meta["requests_in_day"] == 0 and meta["prompts"] == 0
     assert meta["day_status"] == f"empty: none of the 1 requests read is of {DAY} (they are of 2026-12-01 to 2026-12-01)"
+
+
+def test_a_logged_responses_per_request_figures_and_the_named_fields_travel_with_the_request(tmp_path):
+    ts = UTC_DAY.start.timestamp() + 60
+    log = _write(tmp_path / "gw.jsonl", [
+        {"timestamp": ts, "body": _req("Why is the sky blue?"), "response": served_response([2, 1, 3, 0]),
+         "tenant": "acme", "metadata": {"route": "/v1/chat/completions"}},
+        {"timestamp": ts, "request": json.dumps(_req("Pourquoi le ciel est-il bleu ?")),
+         "response": json.dumps(served_response([0, 0, 1])), "tenant": RAW["email"]},  # as text; a tenant that is personal
+        {"timestamp": ts, "body": _req("No response was logged with this one.")},
+    ])
+    cands, stats = _read([log], fields=["tenant", "metadata.route", "absent"])
+    assert stats.with_served == 2
+    by_text = {c.conv.messages[-1]["content"]: c for c in cands}
+    english = by_text["Why is the sky blue?"]
+    assert english.served == {"served_steps": 4, "served_accepted": 6, "served_drafted": 12, "served_k": 3}
+    assert english.fields == {"tenant": "acme", "metadata.route": "/v1/chat/completions"}
+    assert by_text["No response was logged with this one."].served is None
+    rows = {r["messages"][-1]["content"]: r for r in redacted_rows(cands, Redactor(), 8000, stats)}
+    french = rows["Pourquoi le ciel est-il bleu ?"]
+    assert (french["served_steps"], french["served_accepted"]) == (3, 1)
+    assert RAW["email"] not in json.dumps(rows) and json.loads(french["gateway_fields"]) == {"tenant": "[EMAIL]"}
+    assert rows["No response was logged with this one."]["served_steps"] is None
+
+
+@pytest.mark.parametrize("figures, says", [
+    ({"num_spec_steps": "4"}, "num_spec_steps is a string, not a count"),
+    ({"num_accepted_draft_tokens": 99}, "more draft tokens accepted (99) than proposed (12)"),
+])
+def test_a_response_whose_figures_are_not_vllms_is_a_bad_record_named(tmp_path, figures, says):
+    resp = served_response([2, 1, 3, 0])
+    resp["metrics"]["speculative_decoding"].update(figures)
+    log = _write(tmp_path / "gw.jsonl", [{"timestamp": UTC_DAY.start.timestamp(), "body": _req("Hi"),
+                                          "response": resp}])
+    with pytest.raises(TrafficError, match="line 1") as e:
+        _read([log])
+    assert says in str(e.value) and "on_bad_record='skip'" in str(e.value)
+    cands, stats = _read([log], on_bad_record="skip")
+    assert not cands and stats.bad_records_skipped == 1

@@ -11,7 +11,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import TINY_TRAIN
+from conftest import TINY_TRAIN, served_response
 from eagle3_assets.eye import served
 from eagle3_assets.eye.drift import check_evaluation, judge
 from eagle3_assets.eye.drift_report import where
@@ -169,7 +169,8 @@ def test_the_live_window_sums_every_step_of_the_drafter_served_since_its_start(t
 @pytest.fixture(scope="module")
 def drifted_day(built, tmp_path_factory):
     """The shared graph's drafter (trained briefly, exported) and today's gateway log: English chat, then French
-    (one request with an e-mail address), read into today's traffic partition."""
+    (one request with an e-mail address), each logged with its response as vLLM returns it with per-request metrics
+    (the English at 2 drafts accepted a step, the French at 1 in 5 steps), read into today's traffic partition."""
     built.materialize("eagle3_drafter", "drafter_export",
                       config={"eagle3_drafter": {"config": {**TINY_TRAIN, "run_name": "drift"}}})
     log = Path(tmp_path_factory.mktemp("gateway")) / "requests.jsonl"
@@ -179,9 +180,11 @@ def drifted_day(built, tmp_path_factory):
     foreign[0] += " Écris-moi à jeanne.martin@exemple-mail.fr."
     now = time.time()
     log.write_text("".join(json.dumps({"timestamp": now, "body": {"model": "m", "messages": [
-        {"role": "user", "content": t}]}}) + "\n" for t in english + foreign))
+        {"role": "user", "content": t}]}, "response": served_response([2] * 20 if t in english else [1, 0, 0, 0, 0] * 4),
+        "tenant": "fr-team" if t in foreign else "en-team"}) + "\n" for t in english + foreign))
     day = dg.DailyPartitionsDefinition(start_date="2026-01-01", end_offset=1).get_last_partition_key()
-    built.materialize("traffic", partition=day, config={"traffic": {"config": {"sources": [str(log)]}}})
+    built.materialize("traffic", partition=day, config={"traffic": {"config": {"sources": [str(log)],
+                                                                             "group_fields": ["tenant"]}}})
     return built, day
 
 
@@ -208,7 +211,8 @@ def test_the_replay_groups_todays_traffic_and_the_report_says_where_without_raw_
     assert report["traffic_acceptance_length"] == meta["acceptance_length"]
     assert report["eval_acceptance_length"] == meta["eval_acceptance_length"]
     assert report["signals_fired"] == ("offline" if meta["drift"] else "none")
-    assert "### Acceptance per group of the traffic" in report["report"] and "other-language" in report["report"]
+    assert "### Acceptance per group of the traffic, replayed" in report["report"] and "other-language" in report["report"]
+    assert "### Acceptance per group, as production served it" in report["report"]  # the day's served figures beside
     every = json.dumps([meta, report], default=str) + "".join(
         p.read_text(errors="replace") for p in Path(built.workdir, "traffic").rglob("*") if p.suffix == ".log")
     assert "jeanne.martin@" not in every
@@ -282,3 +286,37 @@ def test_the_live_sensor_reports_a_collapse_within_one_window_without_replaying_
         assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
         again = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor))
         assert not again.run_requests  # a lasting collapse is not a report a tick
+
+
+def test_the_acceptance_production_served_locates_the_fall_per_request_without_a_replay(drifted_day, monkeypatch):
+    """The day's traffic holds what vLLM served each request: the report names the new kind from those figures
+    alone, cut by the gateway field the team named too, and the live sensor's report run asks no replay of the host."""
+    from eagle3_assets.eye import drift
+    from eagle3_assets.eye.servers_file import ServersFile
+
+    built, day = drifted_day
+    traffic = built.latest("traffic", day)
+    assert traffic["requests_with_served_figures"] == 8 and traffic["requests_served"] == 8
+    assert traffic["served_acceptance_length"] == pytest.approx(1 + (4 * 40 + 4 * 4) / (4 * 20 + 4 * 20))
+    by = {(g["by"], g["value"]): g for g in traffic["served_groups"]}
+    assert by[("kind", "other-language")]["acceptance_length"] == pytest.approx(1.2)
+    assert by[("tenant", "fr-team")]["requests"] == 4 and by[("tenant", "en-team")]["acceptance_length"] == 3.0
+
+    runs_before = len(built.instance.get_runs())
+    built.materialize("drift_report", config={"drift_report": {"config": {
+        "signal": "live", "server": "prod", "live_acceptance_length": 1.9, "benchmark_acceptance_length": 2.6,
+        "benchmark_from": "serving_benchmark", "num_drafts": 400, "window_s": 60, "traffic_day": day}}})
+    report = built.latest("drift_report")
+    assert report["where_served"] == "kind=other-language" and report["where_served_acceptance_length"] == 1.2
+    assert "tenant `fr-team` 1.200" in report["report"]
+    assert len(built.instance.get_runs()) == runs_before + 1  # the report's own run: nothing replayed
+
+    monkeypatch.setenv("EAGLE3_TRAFFIC_LOGS", "/gateway/*.jsonl")
+    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1", "drafter": "/d"}]})
+    state = {"state": "drift", "drafter": "/d", "window": {"acceptance_length": 1.9, "num_drafts": 400},
+             "info": {"benchmark_acceptance_length": 2.6, "benchmark_from": "serving_benchmark"}}
+    for locate, asked in [("auto", ["drift_report", "traffic"]), ("both", ["drift_report", "traffic", "traffic_acceptance"]),
+                          ("replay", ["drift_report", "traffic", "traffic_acceptance"])]:
+        parsed.drift.locate_from = locate
+        req = drift.report_request(built.instance, parsed.servers[0], state, parsed.drift, time.time())
+        assert sorted(k.to_user_string() for k in req.asset_selection) == asked, locate

@@ -47,7 +47,8 @@ BENCH = {**FIGURES, "concurrencies": [1], "baseline": False, "max_model_len": 10
 
 def _server(target: str, drafter: str, port: int, log: Path) -> EngineServer:
     argv = vllm.server_command(sys.executable, target, port, drafter=drafter, k=3, dtype="float32",
-                               max_model_len=1024, seed=0, extra=["--enforce-eager"])
+                               max_model_len=1024, seed=0,
+                               extra=["--enforce-eager", "--per-request-spec-decode-metrics", "summary"])
     return EngineServer("production", argv, port, log, env=vllm.SERVER_ENV)
 
 
@@ -207,6 +208,11 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         assert live["where"] == "kind=other-language", live["report"]
         assert live["where_share_of_training"] < 0.05
         assert "**Load**" in live["report"] and live["mean_batch_in_window"] > 0, live["report"]  # whether it moved too
+        # what vLLM served each request, logged with it by the gateway, names the same kind with no replay's help
+        print(f"served: {live['requests_served']} requests at {live['served_acceptance_length']} against "
+              f"{live['served_reference']}; where {live['where_served']} at {live['where_served_acceptance_length']}")
+        assert live["where_served"] == "kind=other-language", live["report"]
+        assert live["where_served_acceptance_length"] < live["served_reference"] * 0.9
         traffic = p.graph.latest("traffic", live["traffic_day"])
         assert traffic["redacted_email"] == 1 and sum(traffic[f"redacted_{k}"] for k in KINDS) == 1
         assert "jeanne.martin@" not in json.dumps(live, default=str)

@@ -15,10 +15,14 @@ kind a user can read and check is worth more here than a finer one."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections import defaultdict
 
+from ...common.prompts_table import served_acceptance_length
 from .dedup import normal
 
+GROUP_BY = ("kind", "length_bucket", "first_words")
 BUCKETS = ((256, "<256"), (1024, "256-1k"), (4096, "1k-4k"))  # characters of user text; longer: "4k+"
 FIRST_WORDS = 3
 KINDS = ("structured", "other-language", "code", "math", "prose")
@@ -106,3 +110,26 @@ def keys(messages: list[dict]) -> dict:
     text = user_text(messages)
     return {"kind": kind(text), "length_bucket": length_bucket(len(text)), "first_words": first_words(messages),
             "user_chars": len(text)}
+
+
+def served_groups(rows: list[dict], by: list[str], min_group: int) -> dict:
+    """Acceptance as production served it: over the rows (a traffic day's) that carry served figures, overall and
+    per group of each key of `by` (GROUP_BY's, or a gateway field in `gateway_fields`) with at least `min_group` such
+    requests, lowest first. Each figure is vLLM's: 1 + drafts accepted / verify steps, summed over the requests, so a
+    long answer weighs as its steps do (as the server's own counters weigh it)."""
+    served = [r for r in rows if r.get("served_steps")]
+    out = []
+    for key in by:
+        acc = defaultdict(lambda: [0, 0, 0])  # requests, steps, accepted
+        for r in served:
+            value = r.get(key) if key in GROUP_BY else json.loads(r.get("gateway_fields") or "{}").get(key)
+            if value is not None:
+                a = acc[value]
+                a[0], a[1], a[2] = a[0] + 1, a[1] + r["served_steps"], a[2] + r["served_accepted"]
+        out += [{"by": key, "value": value, "requests": n, "share": round(n / len(served), 4), "steps": steps,
+                 "acceptance_length": served_acceptance_length(steps, accepted)}
+                for value, (n, steps, accepted) in acc.items() if n >= min_group]
+    steps = sum(r["served_steps"] for r in served)
+    return {"requests": len(served), "steps": steps,
+            "acceptance_length": served_acceptance_length(steps, sum(r["served_accepted"] for r in served)),
+            "groups": sorted(out, key=lambda g: (g["acceptance_length"], -g["requests"]))}

@@ -16,17 +16,16 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ...common.prompts_table import PROMPTS_SCHEMA
+from ...common.prompts_table import TRAFFIC_SCHEMA
 from ..files import atomic_file, require_file, resolve
 from .dedup import NearDuplicates
-from .prompt_groups import keys, user_text
+from .prompt_groups import GROUP_BY, keys, served_groups, user_text
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.traffic_sample import TrafficSampleArgs
 
 # the prompts table's four columns first: conversations reads a partition as prompts
-SCHEMA = pa.schema([*PROMPTS_SCHEMA,
-    ("timestamp", pa.float64()),  # epoch seconds; null when the request had none (placed by its file's date)
+SCHEMA = pa.schema([*TRAFFIC_SCHEMA,  # timestamp: epoch seconds, null when placed by its file's date
     ("user_chars", pa.int32()),
     ("length_bucket", pa.string()),
     ("first_words", pa.string()),
@@ -55,8 +54,7 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
             dropped["of_held_out" if near[0].startswith("held:") else "within"] += 1
             continue
         dedup.add(f"kept:{len(kept)}", text)
-        kept.append({"id": c["id"], "source": c["source"], "messages": c["messages"],
-                     "num_user_turns": c["num_user_turns"], "timestamp": c["timestamp"], **keys(c["messages"])})
+        kept.append({**{f.name: c.get(f.name) for f in TRAFFIC_SCHEMA}, **keys(c["messages"])})
     out = resolve(workdir, args.out)
     with atomic_file(out, fsync=True) as tmp:
         pq.write_table(pa.Table.from_pylist(kept, schema=SCHEMA), tmp)
@@ -65,6 +63,10 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
     reporter.log(f"traffic sample: {len(kept)} of {len(candidates)} candidates kept ({examined} examined); near "
                  f"duplicates dropped: {dropped['within']} of each other, {dropped['of_held_out']} of the "
                  f"{held_count} held-out prompts")
+    served = served_groups(kept, [*GROUP_BY, *args.group_fields], args.min_group)
+    if served["requests"]:
+        reporter.log(f"served figures on {served['requests']} of the {len(kept)} requests kept: acceptance length "
+                     f"{served['acceptance_length']} over {served['steps']} speculative steps")
     reporter.materialize(metadata={
         "path": str(out), "prompts": len(kept), "candidates": len(candidates), "candidates_examined": examined,
         "near_duplicates_within": dropped["within"], "near_duplicates_of_held_out": dropped["of_held_out"],
@@ -72,5 +74,7 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
         "by_length_bucket": dict(Counter(r["length_bucket"] for r in kept)),
         "by_kind": dict(Counter(r["kind"] for r in kept)),
         "preview": "\n".join(f"- {r['first_words']!r}: {user_text(r['messages'])[:100]!r}" for r in kept[:5]),
-        "dagster/row_count": len(kept),
+        "dagster/row_count": len(kept), "requests_served": served["requests"],
+        **({"served_acceptance_length": served["acceptance_length"], "served_steps": served["steps"],
+            "served_groups": served["groups"]} if served["requests"] else {}),
     }, data_version=version.hexdigest()[:32])

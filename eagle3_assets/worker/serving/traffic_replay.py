@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..data.dedup import shingles
-from ..data.prompt_groups import keys, user_text
+from ..data.prompt_groups import GROUP_BY, keys, user_text
 from ..errors import StageError
 from ..files import atomic_file, require_file, resolve
 from .speculate import Pair, figures
@@ -27,7 +27,6 @@ from .speculate import Pair, figures
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.traffic_replay import TrafficReplayArgs
 
-GROUP_BY = ("kind", "length_bucket", "first_words")
 PREVIEW_CHARS = 160
 
 
