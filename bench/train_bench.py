@@ -298,6 +298,8 @@ def child(spec: dict) -> dict:
                stage_train_wall_s=meta.get("wall_s"), loss_0=meta.get("loss_0"), acc_0=meta.get("acc_0"))
     # the loader (GPU): host time per batch, and the step loop's wait for batches over the whole run
     res.update({k: meta[k] for k in ("loader_batch_ms", "loader_wait_s") if k in meta})
+    # what the stage says it trained from, and its GPU memory by holder (online: the target's weights too)
+    res.update({k: v for k, v in meta.items() if k.startswith(("gpu_mem_", "hidden_state"))})
     if meta.get("loader_wait_s") is not None and meta.get("steps"):
         res["loader_wait_per_step_ms"] = round(1e3 * meta["loader_wait_s"] / meta["steps"], 1)
     # before the first step: shard checks, target labels, model set-up (the stage's wall less its training's)

@@ -1,4 +1,5 @@
-"""eagle3_drafter: the EAGLE-3 draft head trained on the hidden-state shards (stage `train`)."""
+"""eagle3_drafter: the EAGLE-3 draft head trained on the hidden-state shards (stage `train`), or online on the
+target's hidden states computed as it trains (`hidden_states: online`: no shard needed, none written)."""
 
 import os
 
@@ -11,7 +12,7 @@ from ..hosts import GpuHost, Held
 from ..stages.train import TrainSettings
 from .integration import gate_state
 from .partitions import shard_partitions
-from .paths import DRAFTER_DIR, SHARDS_DIR, VOCAB
+from .paths import CONVERSATIONS, DRAFTER_DIR, SHARDS_DIR, VOCAB
 from .upstream import upstream_metadata
 
 GATE_ENV = "EAGLE3_INTEGRATION_GATE"  # require | skip: the default of integration_gate on this deployment
@@ -55,18 +56,29 @@ def _gate(context: dg.AssetExecutionContext, config: DrafterConfig) -> str:
     return f"passed for {config.integration_engine}: {why}"
 
 
-def _shards(context: dg.AssetExecutionContext) -> list[Held]:
+def _shards(context: dg.AssetExecutionContext, required: bool = True) -> list[Held]:
+    """The shards to train on; not `required` (hidden_states auto): none unless every partition is materialized."""
     keys = context.instance.get_dynamic_partitions(shard_partitions.name)
     done = context.instance.get_materialized_partitions(dg.AssetKey("hidden_state_shards"))
     missing = [k for k in keys if k not in done]
+    if not required and (not keys or missing):
+        return []
     if not keys or missing:
         raise dg.Failure(description=f"hidden_state_shards partitions {missing or '(none registered)'} are not "
                                      "materialized: backfill hidden_state_shards first")
     return [Held("hidden_state_shards", f"{SHARDS_DIR}/shard-{k}", partition=k) for k in keys]
 
 
+def _extract_settings(context: dg.AssetExecutionContext) -> dict:
+    """Online, the target's hidden states are computed at the aux layers hidden_state_shards last extracted (the
+    stage's own default, a finetune's layers or the extraction's, when it never ran)."""
+    recs = context.instance.fetch_materializations(dg.AssetKey("hidden_state_shards"), limit=1).records
+    aux = recs[0].event_log_entry.asset_materialization.metadata.get("aux_layer_ids") if recs else None
+    return {"aux_layers": list(aux.value)} if aux is not None else {}
+
+
 @dg.asset(group_name="drafter", kinds={"pytorch"}, pool="gpu_host",
-          deps=["hidden_state_shards", "vocab_mapping", "target_model", "integration_check"],
+          deps=["hidden_state_shards", "conversations", "vocab_mapping", "target_model", "integration_check"],
           code_version=code_version(__name__, "eagle3_drafter"))
 def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """The trained EAGLE-3 draft head (canonical checkpoint under drafter/<run_name>/model). Data version =
@@ -76,8 +88,12 @@ def eagle3_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, gpu
     gate = _gate(context, config)
     context.log.info(f"integration gate: {gate}")
     target = upstream_metadata(context, "target_model")["path"]
-    shards = _shards(context)
-    here = gpu_host.bring(context, [*shards, Held("vocab_mapping", VOCAB), Held("target_model", target)])
+    mode = config.hidden_states
+    shards = [] if mode == "online" else _shards(context, required=mode == "offline")
+    convs = [] if mode == "offline" else [Held("conversations", CONVERSATIONS)]
+    here = gpu_host.bring(context, [*shards, *convs, Held("vocab_mapping", VOCAB), Held("target_model", target)])
     args = {"target": here[target], "shards": [here[s.path] for s in shards], "vocab": here[VOCAB],
             "out": f"{DRAFTER_DIR}/{config.run_name}", **config.model_dump(exclude=_GATE_FIELDS)}
+    if convs:
+        args.update(conversations=here[CONVERSATIONS], **_extract_settings(context))
     return gpu_host.run_stage(context, "train", args).materialize_result(integration_gate=gate)

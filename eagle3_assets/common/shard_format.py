@@ -40,6 +40,31 @@ def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", storage: str = "n
     return 4 * hidden_size * DTYPE_BYTES[dtype] + 9
 
 
+HIDDEN_STATES = ("offline", "online", "auto")  # train's `hidden_states`: from shards on disk, or from the target as it trains
+DISK_MARGIN = 0.2  # auto: offline only when the shards fit the free disk with this much to spare
+DEFAULT_STORAGE = "fp8"  # what the extraction writes unless told otherwise (stages/extract.py's default reads it)
+
+
+def shards_bytes(tokens: int, hidden_size: int, storage: str = "fp8", dtype: str = "bfloat16") -> int:
+    """What offline shards of `tokens` tokens would take on disk: tokens x (3 aux + 1 final) x hidden x the bytes
+    per value of the storage (bf16 2; fp8, format v2, 1 + its per-token scales), plus ids and loss mask."""
+    return int(tokens) * bytes_per_token(hidden_size, dtype, storage)
+
+
+def choose_hidden_states(mode: str, need_bytes: int, free_bytes: int, have_shards: bool,
+                         margin: float = DISK_MARGIN) -> tuple[str, str]:
+    """(offline | online, why). `auto`: offline when shards are given (on disk already) or would fit the free disk
+    with `margin` to spare, online when they would not; an explicit mode is kept."""
+    room = f"{need_bytes / 1e9:,.1f} GB of shards against {free_bytes / 1e9:,.1f} GB free"
+    if mode != "auto":
+        return mode, f"hidden_states {mode} (set)"
+    if have_shards:
+        return "offline", "auto: the shards are on disk already"
+    if need_bytes * (1 + margin) > free_bytes:
+        return "online", f"auto: {room}, which is less than they need with a {margin:.0%} margin"
+    return "offline", f"auto: {room}, they fit with a {margin:.0%} margin"
+
+
 def part_tokens(part_bytes: int, hidden_size: int, dtype: str, storage: str = "native") -> int:
     """Tokens per part file of about `part_bytes` (at least 1)."""
     return max(int(part_bytes) // bytes_per_token(hidden_size, dtype, storage), 1)

@@ -193,8 +193,15 @@ def challenger_drafter(context: dg.AssetExecutionContext, config: ChallengerConf
     registered = set(context.instance.get_dynamic_partitions(shard_partitions.name))
     old = sorted(context.instance.get_materialized_partitions(dg.AssetKey("hidden_state_shards")) & registered)
     days = upstream_metadata(context, "retrain_data")["traffic_days"]
+    online = config.hidden_states == "online"
+    if online and config.mix_share:
+        raise dg.Failure(description="hidden_states online mixes no old data yet (mix_share draws from the old "
+                                     "hidden_state_shards): set mix_share 0 for an online retraining, or train offline",
+                         allow_retries=False)
     args = {"target": upstream_metadata(context, "target_model")["path"],
-            "shards": [upstream_metadata(context, "retrain_shards")["shard"]],
+            # online: the traffic's conversations, their hidden states computed as it trains (retrain_shards unread)
+            **({"conversations": CONVERSATIONS} if online else
+               {"shards": [upstream_metadata(context, "retrain_shards")["shard"]]}),
             "mix_shards": [f"{SHARDS_DIR}/shard-{k}" for k in old] if config.mix_share else [],
             "init_from": champ["trained_path"], "out": f"{DRAFTER_DIR}/{config.run_name}",
             **config.model_dump(exclude={"engine", "init_from"})}

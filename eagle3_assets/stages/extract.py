@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from ..common.shard_format import DEFAULT_STORAGE
 from .base import DTYPE_HELP, NAMES, Args, Contract, EngineLaunch
 
 
@@ -39,7 +40,7 @@ class ExtractSettings(EngineLaunch):
     part_bytes: int = Field(default=1 << 30, gt=0, description="target size of one safetensors part file")
     io_threads: int = Field(default=4, gt=0, description="threads writing and hashing parts")
     dtype: str = Field(default="auto", description=DTYPE_HELP)
-    storage: Literal["native", "fp8"] = Field(default="fp8", description="fp8: float8 e4m3 with one scale per token "
+    storage: Literal["native", "fp8"] = Field(default=DEFAULT_STORAGE, description="fp8: float8 e4m3 with one scale per token "
                                               "and layer (format v2, half of bf16 on disk; drafters trained on it "
                                               "measured within 1 % of bf16 shards' acceptance); native: hidden "
                                               "states in the compute dtype (format v1)")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from .base import Args, Contract, Result, Settings, plain_name
+from ..common.shard_format import HIDDEN_STATES
+from .base import DTYPE_HELP, Args, Contract, Result, Settings, plain_name
 
 # The settings that decide the trained weights: they go into the checkpoint's fingerprint (a resume with any
 # of them changed starts afresh) and into the drafter's metadata.
@@ -60,6 +61,10 @@ class TrainSettings(Settings):
     mix_share: float = Field(default=0.0, ge=0, lt=1, description="with mix_shards (the data a finetuned drafter "
                              "was trained on): the share of the training samples drawn from them, a seeded sample, "
                              "so that the finetune does not forget what it served before")
+    hidden_states: Literal[HIDDEN_STATES] = Field(
+        default="offline", description="offline: from the hidden-state shards; online: from the target itself, "
+        "loaded beside the drafter (hf backend), batch by batch, nothing written to disk (from the conversations); "
+        "auto: offline when shards are on disk or would fit the free disk with a 20 % margin, else online")
     save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
     num_processes: int = Field(default=1, gt=0, description="GPUs of the host to train on (data parallel, via "
@@ -73,7 +78,17 @@ class TrainSettings(Settings):
 
 class TrainArgs(Args, TrainSettings):
     target: str = Field(description="the target model directory")
-    shards: list[str] = Field(min_length=1, description="hidden-state shard directories")
+    shards: list[str] = Field(default=[], description="hidden-state shard directories (hidden_states offline)")
+    conversations: str | None = Field(default=None, description="online: the regenerated conversations' Parquet "
+                                      "file (what the extraction reads), every sample of it")
+    max_length: int = Field(default=2048, gt=0, description="online: tokens per sample, longer samples truncated "
+                            "(as the extraction's max_length)")
+    aux_layers: list[int] | None = Field(default=None, min_length=3, max_length=3, description="online: the 3 "
+                                         "aux layer ids (output-of-layer convention); None: a finetune's own, else "
+                                         "the extraction's default")
+    dtype: str = Field(default="auto", description="online: the target's compute dtype; " + DTYPE_HELP)
+    target_batch_tokens: int = Field(default=4096, gt=0, description="online: padded tokens per target forward "
+                                     "(the extraction's batch_tokens; smaller here: a batch's few samples pad less)")
     vocab: str | None = Field(default=None, description="the draft vocab (d2t/t2d safetensors); None: the "
                               "finetuned checkpoint's, or the full target vocab")
     out: str = Field(description="the run's directory (model/ and checkpoints/ under it)")
@@ -81,6 +96,18 @@ class TrainArgs(Args, TrainSettings):
     mix_shards: list[str] = Field(default=[], description="older shards mixed in at mix_share (a retraining's old data)")
     probe_batches: int = Field(default=8, ge=0, description="batches timed before training to report the pace")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
+
+    @model_validator(mode="after")
+    def _inputs(self):
+        if self.hidden_states == "offline" and not self.shards:
+            raise ValueError("shards: required for hidden_states offline (or set hidden_states online with "
+                             "conversations)")
+        if self.hidden_states == "online" and not self.conversations:
+            raise ValueError("conversations: required for hidden_states online (the Parquet file the target's "
+                             "hidden states are computed from)")
+        if self.hidden_states == "auto" and not (self.shards or self.conversations):
+            raise ValueError("shards or conversations: required for hidden_states auto")
+        return self
 
     @field_validator("out")
     @classmethod

@@ -44,7 +44,9 @@ def _worker(*argv: str, tmp_path: Path) -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize("args, named", [
-    ({}, ["target: required", "shards: required", "out: required"]),
+    ({}, ["target: required", "out: required"]),
+    ({"target": "t", "out": "drafter/x"}, ["shards: required for hidden_states offline"]),
+    ({"target": "t", "out": "drafter/x", "hidden_states": "online"}, ["conversations: required for hidden_states online"]),
     ({"target": "t", "shards": ["s"], "out": "drafter/x", "epochs": 0}, ["epochs: Input should be greater than 0"]),
     ({"target": "t", "shards": ["s"], "out": "drafter/x", "loss": "mse"}, ["loss: Input should be 'soft' or 'hard'"]),
     ({"target": "t", "shards": ["s"], "out": "drafter/x", "epoch": 3}, ["epoch: not a train argument"]),
@@ -106,7 +108,8 @@ def test_the_launchpad_shows_the_stages_own_fields_and_defaults(config, stage, o
         assert config.model_fields[name].get_default(call_default_factory=True) == \
             args_model.model_fields[name].get_default(call_default_factory=True), name
     required = {n: "x" for n, f in args_model.model_fields.items() if f.is_required()}
-    required.update({k: ["x"] for k in ("shards",) if k in required})
+    # train's shards are required by hidden_states offline (its default), not by the field
+    required.update({k: ["x"] for k in ("shards",) if k in args_model.model_fields and k not in config.model_fields})
     required.update({k: 0 for k in ("shard",) if k in required})
     required.update({k: 1 for k in ("samples_per_shard",) if k in required and k not in config.model_fields})
     stages.validate(stage, {**config().model_dump(exclude=own), **required})

@@ -390,3 +390,18 @@ def test_the_greedy_check_finds_the_first_token_the_target_would_not_choose(trai
     i = min(5, len(greedy) - 1)
     wrong = greedy[:i] + [(greedy[i] + 1) % target.config.vocab_size] + greedy[i + 1:]
     assert first_non_greedy(target, prompt, wrong, 1e-3) == i
+
+
+def test_an_online_drafter_needs_no_shard_writes_none_and_goes_down_the_graph_as_any(trained):
+    """Last in this file: it leaves the newest drafter an online one. `hidden_states: online` trains on the target's
+    states computed as it trains, from the conversations (the stage's equality with offline training:
+    test_online.py); the asset brings the conversations, not the shards, and the export and offline_acceptance
+    downstream take the checkpoint as they take any."""
+    trained.materialize("eagle3_drafter", config=_cfg(run_name="online", hidden_states="online", epochs=1))
+    meta = trained.latest("eagle3_drafter")
+    assert meta["hidden_states"] == "online" and meta["hidden_state_bytes_written"] == 0
+    assert meta["hidden_states_source"].startswith("online, from conversations"), meta["hidden_states_source"]
+    assert meta["offline_shards_bytes_fp8"] > 0 and meta["tokens_per_s"] > 0
+    trained.materialize("drafter_export", "offline_acceptance",
+                        config={"offline_acceptance": {"config": {"limit": 3, "max_new_tokens": 24}}})
+    assert trained.latest("offline_acceptance")["acceptance_length"] >= 1.0

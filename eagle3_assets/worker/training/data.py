@@ -270,7 +270,9 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
     for each sample, as the engines' positions do. `labels` (per sample) add `t_draft`. `pad`: the batch's
     fixed shape (`batch_shape`, rows rounded up to a multiple of 128: the attention's tile), so that compiled
     GPU code sees few shapes; else as short as its longest row. `pin`: page-locked, for an asynchronous copy
-    to the GPU. `stored`: fp8 hidden states stay fp8 beside their scales (`on_device` dequantizes them)."""
+    to the GPU. `stored`: fp8 hidden states stay fp8 beside their scales (`on_device` dequantizes them).
+    Samples read without `aux` and `final` (online training: the target computes them on the device) give the
+    tokens and layout alone."""
     n_rows, cap = batch_shape([[data.refs[i].length for i in row] for row in rows], row_tokens, rows_per_batch)
     stored = stored and data.all_fp8  # a batch of mixed formats is dequantized on the host
     samples = [[data.read(data.refs[i], stored) for i in row] for row in rows]
@@ -278,14 +280,14 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
                                                        for row in samples))
     B = n_rows if pad else len(rows)
     first = samples[0][0]
-    h3, h = first["aux"].shape[1], first["final"].shape[1]
+    states = [k for k in ("aux", "final") if k in first]  # none: tokens only (online: the target fills them in)
 
     def new(shape, dtype, fill=None):
         t = torch.empty(shape, dtype=dtype, pin_memory=pin)
         return t if fill is None else t.fill_(fill)
 
     out = {"input_ids": new((B, T), torch.long, 0), "loss_mask": new((B, T), torch.bool, False),
-           "aux": new((B, T, h3), first["aux"].dtype), "final": new((B, T, h), first["final"].dtype),
+           **{k: new((B, T, first[k].shape[1]), first[k].dtype) for k in states},
            "doc": new((B, T), torch.long, -1), "pos": new((B, T), torch.long, 0)}
     if labels is not None:
         out["t_draft"] = new((B, T), torch.long, -1)
@@ -293,7 +295,7 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
     for k in scaled:
         out[k] = new((B, T, first[k].shape[1]), first[k].dtype, 0)
     # packed as bytes: the float8 dtypes lack CPU fills; a zero byte is 0.0 in e4m3 (and its padding scale is 0)
-    raw = {k: out[k].view(torch.uint8) if out[k].dtype == torch.float8_e4m3fn else out[k] for k in ("aux", "final")}
+    raw = {k: out[k].view(torch.uint8) if out[k].dtype == torch.float8_e4m3fn else out[k] for k in states}
     for b in range(B):
         o = 0
         for d, s in enumerate(samples[b] if b < len(samples) else []):
@@ -302,7 +304,7 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
                 break
             out["input_ids"][b, o:o + ln] = s["input_ids"][:ln]
             out["loss_mask"][b, o:o + ln] = s["loss_mask"][:ln].bool()
-            for k in ("aux", "final"):
+            for k in states:
                 raw[k][b, o:o + ln] = s[k][:ln].view(raw[k].dtype)
             for k in scaled:
                 out[k][b, o:o + ln] = s[k][:ln]
@@ -311,8 +313,8 @@ def collate(data: ShardSet, rows: list[list[int]], row_tokens: int, labels: list
             if labels is not None:
                 out["t_draft"][b, o:o + ln] = labels[rows[b][d]][:ln]
             o += ln
-        raw["aux"][b, o:] = 0  # padding: finite (a NaN there would reach the weight gradients as 0 * NaN)
-        raw["final"][b, o:] = 0
+        for k in states:  # padding: finite (a NaN there would reach the weight gradients as 0 * NaN)
+            raw[k][b, o:] = 0
     return out
 
 

@@ -74,12 +74,14 @@ def autocast(device: str, bf16: bool | None = None):
 
 
 def evaluate(model, head, data, plan, row_tokens: int, steps: int, decay: float, dtype, device, bf16=None,
-             labels=None, loss_on: str = "responses", rows_per_batch: int = 1) -> tuple[list, list, list]:
-    """Mean per-step loss, accuracy and chain acceptance over `plan`, without updating."""
+             labels=None, loss_on: str = "responses", rows_per_batch: int = 1, make=None) -> tuple[list, list, list]:
+    """Mean per-step loss, accuracy and chain acceptance over `plan`, without updating. `make(rows)`: a batch on
+    the device made otherwise than from shards (online training)."""
     sums = torch.zeros(3, steps, device=device)
     with torch.no_grad(), autocast(device, bf16):
         for rows in plan:
-            batch = batch_on(data, rows, row_tokens, device, labels, loss_on, rows_per_batch)
+            batch = make(rows) if make is not None else batch_on(data, rows, row_tokens, device, labels, loss_on,
+                                                                 rows_per_batch)
             _, losses, accs, _, accept = ttt_loss(model, head, batch, steps, decay, dtype)
             sums += torch.stack([torch.stack(xs).float() for xs in (losses, accs, accept)])
     n = max(len(plan), 1)

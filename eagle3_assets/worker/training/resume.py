@@ -22,12 +22,14 @@ if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each
 # (paths under worker/)
 TRAINING_CODE = ("training/trainer", "training/data", "training/schedule", "training/evaluate", "training/ttt_loss",
                  "training/drafter", "training/chain_attention", "target/head", "training/distributed",
-                 "training/checkpoint")
+                 "training/checkpoint", "training/online", "hidden_states/extract")
 
 
 def fingerprint(hp: TrainArgs, bf16: bool, target: Path, data: ShardSet, shard_names: list[str], vocab: Path | None,
                 init_dir: Path | None, pack_window: int = 1) -> dict:
     """What a checkpoint's run was made of, by content, one entry per input (so a mismatch can be named).
+    Offline, the shards; online (`data.kind`), the conversations the target computes the hidden states from
+    (their sha256, the samples' cut, the aux layers, the target's dtype) beside the target's weights.
     Cheap: shard contents by the hashes their manifests record (verified against the files by ShardSet),
     the target's and a finetune start's weights by `hash_files` (cached beside each file), the vocab file
     (a few MB) read once."""
@@ -40,13 +42,15 @@ def fingerprint(hp: TrainArgs, bf16: bool, target: Path, data: ShardSet, shard_n
           "training code": code.hexdigest()[:32],
           "target weights": hash_files(weight_files(target))[:32],
           "vocab": sha256_file(vocab)[:32] if vocab is not None else None,
-          "init_from weights": None}
+          "init_from weights": None,
+          "hidden states": getattr(data, "kind", "offline")}
     if init_dir is not None:
         from .checkpoint import weights_hash
 
         fp["init_from weights"] = weights_hash(init_dir) + sha256_file(init_dir / "config.json")[:16]
+    label = "shard" if fp["hidden states"] == "offline" else "online from conversations"
     for name, ident in zip(shard_names, data.identity):
-        fp[f"shard {name}"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+        fp[f"{label} {name}"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     return fp
 
 

@@ -107,7 +107,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.head = load_target_head(self.target, self.tc.rms_norm_eps)
         self._load_inputs()
-        if self.group.is_main:
+        if self.group.is_main and self.mode == "offline":
             reporter.log(f"hidden-state shards checked: {self.data.verified_bytes / 1e6:,.1f} MB, every file's sha256 "
                          "as its manifest records, hidden states finite")
         self._build_model()
@@ -120,6 +120,7 @@ class Trainer:
         from .checkpoint import check_finetune_layers, load_drafter_dir, read_aux_ids
 
         args, tc = self.args, self.tc
+        self.mode = self._choose_hidden_states()
         shard_dirs = [resolve(self.workdir, s) for s in args.shards]
         mix = {"mix_dirs": [resolve(self.workdir, s) for s in args.mix_shards], "mix_share": float(args.mix_share),
                "seed": int(args.seed)}
@@ -129,7 +130,7 @@ class Trainer:
             self.cfg, self.weights = load_drafter_dir(self.init_dir, tc)
             ids = read_aux_ids(json.loads((self.init_dir / "config.json").read_text()), tc.num_hidden_layers,
                                tc.model_type)
-            self.data = ShardSet(shard_dirs, tc.hidden_size, **mix)
+            self.data = self._data(shard_dirs, mix, list(ids.ours))
             check_finetune_layers(self.init_dir, ids, self.data.aux_layer_ids,  # before a single step
                                   tc.num_hidden_layers)
             self.reporter.log(f"finetuning {self.init_dir}: its draft vocab ({self.cfg.draft_vocab_size}), aux layers "
@@ -149,12 +150,75 @@ class Trainer:
         if int((torch.arange(d2t.shape[0]) + d2t).max()) >= tc.vocab_size or int(t2d.sum()) != d2t.shape[0]:
             raise StageError(f"vocab mapping {args.vocab}: d2t and t2d disagree (d2t maps to ids outside the "
                              "target vocab or t2d marks a different number of ids): rematerialize vocab_mapping")
-        self.data = ShardSet(shard_dirs, tc.hidden_size, **mix)
+        self.data = self._data(shard_dirs, mix, None)
         self.cfg = DraftConfig.from_target(tc, d2t.shape[0], self.data.aux_layer_ids)
         if not 1 <= int(self.hp.num_layers) <= tc.num_hidden_layers:
             raise StageError(f"num_layers must be between 1 and the target's {tc.num_hidden_layers} layers, got "
                              f"{self.hp.num_layers}")
         self.cfg.num_hidden_layers = int(self.hp.num_layers)
+
+    def _choose_hidden_states(self) -> str:
+        """offline | online. With conversations: what offline shards of them would take on disk against the
+        free disk of the output directory, reported; `auto` goes online when they would not fit with a margin."""
+        from ...common.shard_format import DEFAULT_STORAGE, DISK_MARGIN, choose_hidden_states, shards_bytes
+        from ..files import require_file
+        from .online import Conversations
+
+        args, tc = self.args, self.tc
+        self.convs, self.estimate = None, {}
+        if args.conversations:
+            path = require_file(resolve(self.workdir, args.conversations), "regenerated conversations",
+                                "materialize the conversations asset first")
+            self.convs = Conversations(path, int(args.max_length))
+        if self.convs is None:
+            return "offline" if args.hidden_states == "auto" else str(args.hidden_states)
+        tokens, hidden = self.convs.tokens, int(tc.hidden_size)
+        storage = DEFAULT_STORAGE  # what the extraction would write
+        where = self.out
+        while not where.exists():
+            where = where.parent
+        free = shutil.disk_usage(where).free
+        self.estimate = {"offline_shards_tokens": tokens, "offline_shards_storage": storage,
+                         "offline_shards_bytes": shards_bytes(tokens, hidden, storage),
+                         "offline_shards_bytes_fp8": shards_bytes(tokens, hidden, "fp8"),
+                         "offline_shards_bytes_bf16": shards_bytes(tokens, hidden, "native", "bfloat16"),
+                         "free_disk_bytes": free}
+        mode, why = choose_hidden_states(str(args.hidden_states), self.estimate["offline_shards_bytes"], free,
+                                         bool(args.shards), DISK_MARGIN)
+        if self.group.is_main:
+            self.reporter.log(
+                f"offline shards of {args.conversations} ({len(self.convs.refs):,} samples, {tokens:,} tokens, hidden "
+                f"{hidden}) would take {self.estimate['offline_shards_bytes_fp8'] / 1e9:,.2f} GB in fp8 (format v2) "
+                f"or {self.estimate['offline_shards_bytes_bf16'] / 1e9:,.2f} GB in bf16; {free / 1e9:,.2f} GB are "
+                f"free under {where}: {why} -> {mode}")
+        if mode == "offline" and not args.shards:
+            raise StageError(f"hidden_states auto chose offline ({why}), but no shards were given: materialize "
+                             "hidden_state_shards and pass them, or set hidden_states online")
+        return mode
+
+    def _data(self, shard_dirs: list, mix: dict, finetune_ids: list[int] | None):
+        """The training data: the shards (offline), or the conversations with the target computing their
+        hidden states batch by batch (online; aux layers: the setting, a finetune's own, or the default)."""
+        if self.mode == "offline":
+            return ShardSet(shard_dirs, self.tc.hidden_size, **mix)
+        from ...common.shard_format import LAYER_CONVENTION, default_aux_layers
+        from ..compute_dtype import choice, line
+        from ..shards.parts import check_aux_layers
+        from .online import OnlineStates
+
+        args, n = self.args, int(self.tc.num_hidden_layers)
+        if args.mix_shards:
+            raise StageError("mix_shards (old shards mixed in) needs hidden_states offline: the online path reads "
+                             "the conversations alone")
+        aux = list(args.aux_layers or finetune_ids or default_aux_layers(n))
+        check_aux_layers(aux, n)
+        info = choice(args.dtype, self.device)
+        data = OnlineStates(self.convs, self.target, aux, info["dtype"], self.device, int(args.target_batch_tokens))
+        if self.group.is_main:
+            self.reporter.log(f"online hidden states: the target {self.target} beside the drafter on {self.device} "
+                              f"({line(info)}), aux layers {aux} ({LAYER_CONVENTION}) + final pre-norm, computed "
+                              "batch by batch; no shard is written")
+        return data
 
     def _build_model(self) -> None:
         hp, cfg, head, device = self.hp, self.cfg, self.head, self.device
@@ -215,9 +279,13 @@ class Trainer:
         hp, device, group = self.hp, self.device, self.group
         d2t_ids, to_draft = draft_index(self.model)
         self.head.restrict(d2t_ids)
-        with self.reporter.progress("target labels", len(self.data.refs), unit="samples") as prog, \
-                autocast(device, self.bf16):
-            self.labels = target_labels(self.data, self.head, to_draft, device, self.dtype, progress=prog)
+        if self.mode == "online":  # each batch's labels come with its hidden states
+            self.data.label_with(self.head, to_draft, self.dtype, self.bf16)
+            self.labels = None
+        else:
+            with self.reporter.progress("target labels", len(self.data.refs), unit="samples") as prog, \
+                    autocast(device, self.bf16):
+                self.labels = target_labels(self.data, self.head, to_draft, device, self.dtype, progress=prog)
         self.row_tokens, self.rows_per = row_tokens, rows_per = int(hp.row_tokens), int(hp.rows_per_batch)
         # Where rows are padded to a fixed shape (the GPU path) a fuller row is cheaper; on the CPU a batch is
         # only as long as its longest row, and next-fit keeps the plans the CPU recipes were tuned on.
@@ -258,8 +326,9 @@ class Trainer:
         """Continue this very run's latest checkpoint (same inputs by content, settings and code), or start
         afresh and delete another run's checkpoints: they are never published under this run's inputs."""
         group = self.group
-        self.fp = fingerprint(self.hp, self.bf16, self.target, self.data, [str(s) for s in self.args.shards],
-                              self.vocab_path, self.init_dir, self.window)
+        names = [str(self.args.conversations)] if self.mode == "online" else [str(s) for s in self.args.shards]
+        self.fp = fingerprint(self.hp, self.bf16, self.target, self.data, names, self.vocab_path, self.init_dir,
+                              self.window)
         self.step = 0
         state = resumable_state(self.ckpts, self.fp, self.device, self.reporter) if self.args.resume else None
         group.barrier()  # every rank has decided before rank 0 deletes anything
@@ -286,9 +355,13 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------------------
     def measure(self, data, rows_plan, labels, loss_on: str = "responses"):
         # held-out figures always count replies only: that is where an engine drafts
+        make = None
+        if self.mode == "online" and data is self.data:
+            def make(rows):
+                return data.device_batch(rows, self.row_tokens, loss_on, self.rows_per, pad=self.fast)
         return evaluate(self.model, self.head, data, rows_plan, self.row_tokens, int(self.hp.ttt_steps),
                         float(self.hp.step_decay), self.dtype, self.device, self.bf16, labels, loss_on,
-                        self.rows_per)
+                        self.rows_per, make=make)
 
     def evaluate_heldout(self, epoch: int) -> None:
         accept = self.measure(self.held[0], self.held[2], self.held[1])[2]
@@ -408,6 +481,12 @@ class Trainer:
                 if k >= self.step and self.group.rank < len(group_rows):
                     items.append(((epoch, b), group_rows[self.group.rank]))
                 k += 1
+        if self.mode == "online":  # the target's forward for the next batch runs on the prefetcher's thread and
+            # stream while this batch's step runs (one batch ahead: each holds the states of row_tokens x
+            # rows_per_batch tokens)
+            return Prefetcher(items, lambda rows: self.data.host_batch(rows, self.row_tokens, str(self.hp.loss_on),
+                                                                       self.rows_per, pad=self.fast, pin=self.fast),
+                              self.device, depth=1, finish=self.data.finish)
         return Prefetcher(items, lambda rows: host_batch(self.data, rows, self.row_tokens, self.labels,
                                                          str(self.hp.loss_on), self.rows_per, pad=self.fast,
                                                          pin=self.fast, stored=self.fast), self.device,
@@ -493,6 +572,23 @@ class Trainer:
         self.acc, self.loss_per = (sum_acc.cpu() / n).tolist(), (sum_loss.cpu() / n).tolist()
 
     # ---- publish ----------------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """On a GPU, what this rank holds, in GiB: the target's weights (online), the drafter's weights (with the
+        frozen embeddings and the target's head), the optimizer's state, and the peak allocated over the run."""
+        if not self.device.startswith("cuda"):
+            return {}
+
+        def gib(tensors) -> float:
+            return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 3)
+
+        target = [*self.data.model.parameters(), *self.data.model.buffers()] if self.mode == "online" else []
+        state = [v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"gpu_mem_target_gib": gib(target),
+                "gpu_mem_drafter_gib": gib([*self.model.parameters(), *self.model.buffers(), *self.head.parameters(),
+                                            *([self.head.draft_lm_head] if hasattr(self.head, "draft_lm_head") else [])]),
+                "gpu_mem_optimizer_gib": gib(state),
+                "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)}
+
     def publish(self) -> None:
         """The final weights as the canonical checkpoint (rank 0), and the run's figures as metadata."""
         from .checkpoint import save_drafter_dir, weights_hash
@@ -513,8 +609,15 @@ class Trainer:
                                                              "num_layers": tc.num_hidden_layers})
         init = self.args.init_from
         before, acc, loss_per, curve = self.before, self.acc, self.loss_per, self.curve
+        source = (f"online, from conversations {self.args.conversations} with target {self.args.target}"
+                  if self.mode == "online" else f"offline, from shards {', '.join(self.args.shards)}")
         meta = {
             "path": str(model_dir),
+            "hidden_states": self.mode,
+            "hidden_states_source": source,
+            "hidden_state_bytes_written": 0,  # training writes none: offline they were written by the extraction
+            **self.estimate,
+            **self.memory(),
             "init": "finetune" if init else "scratch",
             "init_from": str(init) if init else "",
             "draft_vocab_size": cfg.draft_vocab_size,
@@ -561,7 +664,9 @@ class Trainer:
                                             "final/tokens_per_s": meta["tokens_per_s"]})
         self.reporter.materialize(metadata=meta, data_version=version)
         self.reporter.result({**{k: meta[k] for k in ("path", "steps", "simulated_acceptance_length", "tokens_per_s",
-                                                      "wall_s", "data_parallel_processes")},
+                                                      "wall_s", "data_parallel_processes", "hidden_states",
+                                                      "hidden_states_source", "hidden_state_bytes_written")},
+                              **{k: meta[k] for k in meta if k.startswith("gpu_mem_")},
                               "data_version": version, "acc": acc, "loss": loss_per})
 
 
