@@ -300,6 +300,7 @@ def test_the_acceptance_production_served_locates_the_fall_per_request_without_a
     assert traffic["served_acceptance_length"] == pytest.approx(1 + (4 * 40 + 4 * 4) / (4 * 20 + 4 * 20))
     by = {(g["by"], g["value"]): g for g in traffic["served_groups"]}
     assert by[("kind", "other-language")]["acceptance_length"] == pytest.approx(1.2)
+    assert traffic["served_acceptance_length_other_language"] == pytest.approx(1.2)  # plotted day by day
     assert by[("tenant", "fr-team")]["requests"] == 4 and by[("tenant", "en-team")]["acceptance_length"] == 3.0
 
     runs_before = len(built.instance.get_runs())

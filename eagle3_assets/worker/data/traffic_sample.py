@@ -76,5 +76,8 @@ def run(workdir: str, args: TrafficSampleArgs, reporter) -> None:
         "preview": "\n".join(f"- {r['first_words']!r}: {user_text(r['messages'])[:100]!r}" for r in kept[:5]),
         "dagster/row_count": len(kept), "requests_served": served["requests"],
         **({"served_acceptance_length": served["acceptance_length"], "served_steps": served["steps"],
-            "served_groups": served["groups"]} if served["requests"] else {}),
+            "served_groups": served["groups"],
+            # per kind too, as numbers: the UI plots each kind's served acceptance day by day
+            **{f"served_acceptance_length_{g['value'].replace('-', '_')}": g["acceptance_length"]
+               for g in served["groups"] if g["by"] == "kind"}} if served["requests"] else {}),
     }, data_version=version.hexdigest()[:32])
