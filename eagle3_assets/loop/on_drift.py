@@ -66,6 +66,13 @@ def run_config() -> dict:
     return {"ops": {k: v for k, v in ops.items() if k in LOOP}}
 
 
+def selection(config: dict) -> list[dg.AssetKey] | None:
+    """The loop's assets a retraining runs: all of them (None), or without retrain_shards when the challenger trains
+    online (hidden_states: online: the target's states computed as it trains, no shard extracted)."""
+    train = config.get("ops", {}).get("challenger_drafter", {}).get("config", {})
+    return [dg.AssetKey(a) for a in LOOP if a != "retrain_shards"] if train.get("hidden_states") == "online" else None
+
+
 def settings() -> RetrainDataConfig:
     """retrain_data's settings in EAGLE3_RETRAIN_CONFIG (reread_every_s is the sensor's)."""
     return RetrainDataConfig(**run_config().get("ops", {}).get("retrain_data", {}).get("config", {}))
@@ -91,8 +98,10 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
         requests, said, events = [], [], []
 
         def retrain(engine: str, key: str) -> None:
+            config = run_config()
             requests.append(dg.RunRequest(run_key=key, job_name=retrain_on_traffic_job.name, partition_key=engine,
-                                          run_config=run_config(), tags={RETRAIN_TAG: engine}))
+                                          run_config=config, asset_selection=selection(config),
+                                          tags={RETRAIN_TAG: engine}))
 
         recs = instance.fetch_materializations(dg.AssetRecordsFilter(
             asset_key=REPORT, after_storage_id=cur.get("after")), limit=50, ascending=True).records

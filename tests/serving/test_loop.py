@@ -199,6 +199,28 @@ def test_drift_starts_one_retraining_per_engine_and_refuses_a_second_while_one_r
         assert not again.run_requests and "queued or running" in again.skip_reason.skip_message
 
 
+def test_an_online_retraining_extracts_no_shard(tmp_path, monkeypatch):
+    """With the challenger set to train online (EAGLE3_RETRAIN_CONFIG), the sensor's retraining runs the loop
+    without retrain_shards; without it, the whole loop."""
+    import dagster as dg
+    import yaml
+
+    from eagle3_assets.eye.servers_file import ServersFile
+    from eagle3_assets.loop import on_drift as loop
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "a", "url": "http://127.0.0.1:1", "engine": "vllm"}]})
+    for online, cfg in [(False, {}), (True, {"hidden_states": "online", "mix_share": 0.0})]:
+        (tmp_path / "retrain.yaml").write_text(yaml.safe_dump({"ops": {"challenger_drafter": {"config": cfg}}}))
+        monkeypatch.setenv(loop.CONFIG_ENV, str(tmp_path / "retrain.yaml"))
+        with dg.instance_for_test() as instance:
+            instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={"server": "a"}))
+            (req,) = loop.build(parsed)(dg.build_sensor_context(instance=instance)).run_requests
+        if online:
+            assert [k.to_user_string() for k in req.asset_selection] == [a for a in loop.LOOP if a != "retrain_shards"]
+        else:
+            assert req.asset_selection is None  # the job's whole selection
+
+
 def test_a_control_plane_killed_mid_promotion_leaves_the_record_whole(two_exports):
     """`eagle3-assets promote` killed (SIGKILL, its own process group) at points through its run: each decision in
     the record is whole or absent, and production is the drafter before or the one promoted, never a mix."""
