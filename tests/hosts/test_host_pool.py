@@ -57,8 +57,10 @@ def test_backfill_spreads_over_two_hosts_one_at_a_time_and_training_reads_all(po
     for host, spans in timeline.items():
         for (s1, e1, k1), (s2, _, k2) in zip(spans, spans[1:]):
             assert e1 <= s2, f"host {host} ran shards {k1} and {k2} at once ({s1}-{e1} and {s2}-)"
-    (a_start, a_end, _), (b_start, b_end, _) = timeline["a"][0], timeline["b"][0]
-    assert a_start < b_end and b_start < a_end, "the two hosts worked at the same time"
+    # some run on a overlapped some run on b (which pair depends on how fast each run worker starts:
+    # b's first run also copies the conversations and the target from a)
+    assert any(sa < eb and sb < ea for sa, ea, _ in timeline["a"] for sb, eb, _ in timeline["b"]), \
+        "the two hosts worked at the same time"
     for key in ("00000", "00001", "00002", "00003"):
         meta = pool.latest_shard(key)
         host = "a" if int(key) % 2 == 0 else "b"
