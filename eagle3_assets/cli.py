@@ -296,7 +296,7 @@ def serving_loop(args) -> int:
     home = Path(os.environ["DAGSTER_HOME"])
     workspace = Path("workspace.yaml")  # the project's, from its root: the UI's code location, sensor states and all
     return story.main(home, Path(args.workdir) if args.workdir else home / "serving_loop",
-                      workspace.resolve() if workspace.exists() else None)
+                      workspace.resolve() if workspace.exists() else None, kind=args.kind)
 
 
 def _seconds(text: str) -> float:
@@ -343,6 +343,11 @@ def parser() -> argparse.ArgumentParser:
                            "rollout, the live acceptance before and after")
     story.add_argument("--workdir", help="the servers' pid files and logs, the gateway's log, the servers file "
                        "(default: $DAGSTER_HOME/serving_loop)")
+    from .story.gateway import KINDS as TRAFFIC_KINDS
+
+    story.add_argument("--kind", choices=list(TRAFFIC_KINDS), default="fr-es-de", help="the new kind of traffic: "
+                       "fr-es-de (French, Spanish, German), or it-pt (Italian, Portuguese) for the loop's second turn "
+                       "on the same instance, judged against the drafter the first promoted")
     return ap
 
 

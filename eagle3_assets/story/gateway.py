@@ -75,9 +75,31 @@ _TOPICS = {
 }
 
 
-def other_language_prompts(n: int) -> list[str]:
-    """Up to n (168) generated prompts in French, Spanish and German, in a fixed shuffled order."""
-    out = [tpl.format(t=topic) for lang in _TEMPLATES for topic in _TOPICS[lang] for tpl in _TEMPLATES[lang]]
+# The second turn's new kind: Italian and Portuguese, which neither the shipped drafter nor a retraining on the
+# first kind learned from.
+_TEMPLATES_2 = {
+    "it": ["Spiegami in modo semplice {t}.", "Perché {t} è importante oggi?", "Descrivi {t} in tre frasi.",
+           "Come spiegheresti {t} a un bambino di dieci anni?", "Che cosa devo sapere per capire {t}?",
+           "Scrivi un breve paragrafo che presenti {t}."],
+    "pt": ["Explica-me de forma simples {t}.", "Porque é importante estudar {t}?", "Dá-me três curiosidades sobre {t}.",
+           "Como explicarias {t} a uma criança de dez anos?"],
+}
+_TOPICS_2 = {
+    "it": ["la fotosintesi", "il ciclo dell'acqua", "il Rinascimento", "l'intelligenza artificiale", "il sistema solare",
+           "la gravità", "l'economia circolare", "la tettonica delle placche", "il cambiamento climatico",
+           "la democrazia", "le api", "la cucina napoletana", "il calcio", "la memoria umana", "i vulcani",
+           "l'opera lirica"],
+    "pt": ["a fotossíntese", "o ciclo da água", "a inteligência artificial", "o sistema solar", "os vulcões",
+           "a democracia", "as abelhas", "o fado", "a Amazónia", "o futebol"],
+}
+KINDS = {"fr-es-de": (_TEMPLATES, _TOPICS), "it-pt": (_TEMPLATES_2, _TOPICS_2)}
+
+
+def other_language_prompts(n: int, kind: str = "fr-es-de") -> list[str]:
+    """Up to n generated prompts of a new kind of traffic, in a fixed shuffled order: `fr-es-de` (168: French,
+    Spanish and German) or `it-pt` (136: Italian and Portuguese)."""
+    templates, topics = KINDS[kind]
+    out = [tpl.format(t=topic) for lang in templates for topic in topics[lang] for tpl in templates[lang]]
     random.Random(0).shuffle(out)
     return out[:n]
 

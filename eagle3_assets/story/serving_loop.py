@@ -151,10 +151,12 @@ def champion(instance: dg.DagsterInstance, log) -> dict:
 
 def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: str = "prod",
         extra_servers: tuple[dict, ...] = (), env: dict | None = None, workspace: Path | None = None,
-        cwd: Path | None = None, timeout_s: float = 3600) -> Story:
+        cwd: Path | None = None, timeout_s: float = 3600, kind: str = "fr-es-de", retrain: dict | None = None) -> Story:
     """The story on the instance at `home` (its host files where its definitions put them, or where `env`'s
     EAGLE3_HOST_WORKDIR says); `name`: the production server's; `extra_servers`: more servers of the servers file
-    (a canary, say), started by their restart command with the champion."""
+    (a canary, say), started by their restart command with the champion; `kind`: the new kind of traffic (gateway.py's
+    KINDS: run it again with another kind for the loop's next turn, judged against the drafter the last promoted);
+    `retrain`: the run config of the retraining (default: presets/serving_loop_cpu.yaml)."""
     workdir.mkdir(parents=True, exist_ok=True)
     loop = Loop(home, workdir, log, workspace, cwd)
     inst = loop.instance
@@ -169,7 +171,7 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
                 "restart": restart_command(workdir / name, port, target)}, *extra_servers]
     gateway_log = workdir / "gateway" / "requests.jsonl"
     gateway_log.parent.mkdir(exist_ok=True)
-    (workdir / "retrain.yaml").write_text(yaml.safe_dump(retrain_config()))
+    (workdir / "retrain.yaml").write_text(yaml.safe_dump(retrain or retrain_config()))
     try:
         for s in servers:
             subprocess.run([c.replace("{drafter}", champ["export_path"]) for c in s["restart"]], check=True)
@@ -179,7 +181,7 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
             loop.wait(f"{s['name']} to answer {s['url']}/health", lambda u=s["url"]: _healthy(u), 900)
         loop.mark(f"the servers serve the drafter in production ({champ['version'][:12]})")
         gw = Gateway(servers[0]["url"], gateway_log)
-        new_kind = other_language_prompts(168) + OTHER_LANGUAGES
+        new_kind = other_language_prompts(500, kind) + (OTHER_LANGUAGES if kind == "fr-es-de" else [])
         # probes: a monitor's requests, not the gateway's traffic (unlogged), so no retraining ever sees them
         probes, new_kind = new_kind[:PROBES], new_kind[PROBES:]
         t = t_probes = time.time()
@@ -240,10 +242,10 @@ def stop_servers(workdir: Path, names: tuple[str, ...] = ("prod",)) -> None:
         subprocess.run([*SERVER, "stop", "--dir", str(workdir / name)], check=False)
 
 
-def main(home: Path, workdir: Path, workspace: Path | None = None) -> int:
+def main(home: Path, workdir: Path, workspace: Path | None = None, kind: str = "fr-es-de") -> int:
     t0 = time.time()
     try:
-        story = run(home, workdir, workspace=workspace)
+        story = run(home, workdir, workspace=workspace, kind=kind)
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"serving-loop: {e}", file=sys.stderr)
         stop_servers(workdir)

@@ -50,7 +50,9 @@ _OTHER = set("le la les des est une un et pour avec dans qui que pas du au sur c
              "os uma é não com para como porque da em "
              "sont mon ma je tu vous nous peux moi qu mes ses leur "
              "mir mich im von bei einen kann man sind gibt wir ihr "
-             "yo mi tu muy más pero como cuál son".split()) - _ENGLISH
+             "yo mi tu muy más pero como cuál son "
+             "un lo sul nel della delle dei cosa devo scrivi descrivi spiegami perché breve tre frasi "
+             "sobre uma dá-me explica-me três estudar de modo semplice forma simples".split()) - _ENGLISH
 
 
 def user_text(messages: list[dict]) -> str:
@@ -112,6 +114,11 @@ def keys(messages: list[dict]) -> dict:
             "user_chars": len(text)}
 
 
+def group_value(row: dict, key: str):
+    """A traffic row's value of a group key: one of GROUP_BY's, or a gateway field kept in `gateway_fields`."""
+    return row.get(key) if key in GROUP_BY else json.loads(row.get("gateway_fields") or "{}").get(key)
+
+
 def served_groups(rows: list[dict], by: list[str], min_group: int) -> dict:
     """Acceptance as production served it: over the rows (a traffic day's) that carry served figures, overall and
     per group of each key of `by` (GROUP_BY's, or a gateway field in `gateway_fields`) with at least `min_group` such
@@ -122,7 +129,7 @@ def served_groups(rows: list[dict], by: list[str], min_group: int) -> dict:
     for key in by:
         acc = defaultdict(lambda: [0, 0, 0])  # requests, steps, accepted
         for r in served:
-            value = r.get(key) if key in GROUP_BY else json.loads(r.get("gateway_fields") or "{}").get(key)
+            value = group_value(r, key)
             if value is not None:
                 a = acc[value]
                 a[0], a[1], a[2] = a[0] + 1, a[1] + r["served_steps"], a[2] + r["served_accepted"]
