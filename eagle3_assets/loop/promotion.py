@@ -19,7 +19,7 @@ from ..assets.paths import EVAL
 from ..assets.upstream import upstream_metadata
 from ..code_versions import code_version
 from ..common import load_mix
-from ..eye.load_mix import observed as observed_mix
+from ..eye.served_load import observed as observed_mix
 from ..hosts import GpuHost
 from ..stages.serve_compare import ServeCompareSettings
 from . import production

@@ -86,6 +86,13 @@ def traffic_prompts(instance: dg.DagsterInstance, day: str) -> int | None:
     return getattr(value, "value", value)
 
 
+def served_since(context: dg.AssetExecutionContext) -> float | None:
+    """When the drafter in production on the run's engine (its partition) was put there: the requests logged since
+    were served by the drafter a retraining finetunes, so only their figures weigh the slices."""
+    now = production.current(context.instance, context.run.tags.get("dagster/partition") or DEFAULT)
+    return now["when"] if now else None
+
+
 @dg.asset(group_name="loop", kinds={"parquet"}, deps=["traffic"], code_version=code_version(__name__, "retrain_data"))
 def retrain_data(context: dg.AssetExecutionContext, config: RetrainDataConfig, gpu_host: GpuHost):
     """The newest traffic days (today's read again first), cut by a hash of each prompt into prompts to retrain on
@@ -102,6 +109,7 @@ def retrain_data(context: dg.AssetExecutionContext, config: RetrainDataConfig, g
         days = done[: config.days]
         run = gpu_host.run_stage(context, "traffic_split", {
             "days": [f"{TRAFFIC_DIR}/{d}.parquet" for d in days], "out_dir": RETRAIN_DIR, "short_ok": True,
+            "served_since": served_since(context) if config.weight_by else None,
             **config.model_dump(exclude={"days", "reread", "wait_for_traffic_s", "poll_traffic_s", "reread_every_s"})})
         if not run.result.get("short"):
             return run.materialize_result(traffic_days=dg.MetadataValue.json(days))

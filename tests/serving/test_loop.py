@@ -46,6 +46,47 @@ def test_the_traffic_is_cut_by_prompt_so_the_gate_never_measures_on_what_was_tra
     assert not (tmp_path / "retrain2").exists()
 
 
+def test_a_weighted_split_gives_the_worst_served_slice_more_of_the_same_budget(tmp_path):
+    # a day of traffic with served figures: English chat served at 2.0, other languages at 1.25 (k=3)
+    chat, other = chat_prompts(60), OTHER_LANGUAGES * 2
+    other = [f"{t} ({i})" for i, t in enumerate(other)][:30]
+    rows = [{"id": f"c{i}", "source": "gw", "num_user_turns": 1, "messages": [{"role": "user", "content": t}],
+             "kind": "prose", "served_steps": 20, "served_accepted": 20} for i, t in enumerate(chat)]
+    rows += [{"id": f"o{i}", "source": "gw", "num_user_turns": 1, "messages": [{"role": "user", "content": t}],
+              "kind": "other-language", "served_steps": 40, "served_accepted": 10} for i, t in enumerate(other)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "day.parquet")
+    base = {"days": ["day.parquet"], "min_prompts": 10, "min_group": 5}
+    uniform = run_stage(tmp_path, "traffic_split", {**base, "out_dir": "u", "weight_by": None})
+    weighted = run_stage(tmp_path, "traffic_split", {**base, "out_dir": "w", "max_boost": 3})  # by kind: the default
+    assert uniform.returncode == 0 and weighted.returncode == 0, uniform.stderr + weighted.stderr
+    u, w = (pq.read_table(tmp_path / d / "train.parquet").to_pylist() for d in ("u", "w"))
+    share = lambda rows: sum(r["id"].startswith("o") for r in rows) / len(rows)  # noqa: E731
+    assert len(w) == len(u), "the same budget of training prompts"
+    # boost = (2.0 - 1) / (1.25 - 1) = 4, held to max_boost 3: the slice's share x3 before renormalizing
+    expect = 3 * share(u) / (3 * share(u) + 1 - share(u))
+    assert abs(share(w) - expect) < 2 / len(u), (share(u), share(w), expect)
+    assert len({r["id"] for r in w}) == len(w), "a repeated prompt gets an id of its own"
+    assert {r["messages"][0]["content"] for r in w if r["id"].startswith("o")} == \
+        {r["messages"][0]["content"] for r in u if r["id"].startswith("o")}, "every prompt of the slice, then repeats"
+    held = {r["messages"][0]["content"] for r in pq.read_table(tmp_path / "w/heldout.parquet").to_pylist()}
+    assert not held & {r["messages"][0]["content"] for r in w}, "the held-out part is the uniform split's"
+    assert "weighted by kind: other-language (served 1.25, boost 3.0" in weighted.stderr, weighted.stderr
+    # without served figures nothing is weighted, and it says so
+    pq.write_table(pa.Table.from_pylist([{k: r[k] for k in ("id", "source", "num_user_turns", "messages")}
+                                         for r in rows]), tmp_path / "plain.parquet")
+    plain = run_stage(tmp_path, "traffic_split", {**base, "days": ["plain.parquet"], "out_dir": "p",
+                                                  "weight_by": "kind"})
+    assert plain.returncode == 0 and "served figures" in plain.stderr and ": uniform" in plain.stderr, plain.stderr
+    assert pq.read_table(tmp_path / "p/train.parquet").num_rows == len(u)
+    # figures logged before the drafter in production was promoted were another drafter's: they weigh nothing
+    stamped = [{**r, "timestamp": 1000.0} for r in rows]
+    pq.write_table(pa.Table.from_pylist(stamped), tmp_path / "stamped.parquet")
+    old = run_stage(tmp_path, "traffic_split", {**base, "days": ["stamped.parquet"], "out_dir": "s",
+                                                "weight_by": "kind", "served_since": 2000.0})
+    assert old.returncode == 0 and "since the drafter's promotion" in old.stderr, old.stderr
+    assert pq.read_table(tmp_path / "s/train.parquet").to_pylist() == u
+
+
 def test_a_finetune_mixes_in_the_share_of_old_samples_it_is_told(built):
     shards = sorted((built.workdir / "hidden_states").glob("shard-*"))
     new, old = ShardSet([shards[0]], 576), ShardSet([shards[1]], 576)
@@ -105,7 +146,7 @@ def test_a_drafter_that_wins_alone_and_loses_under_load_is_judged_at_the_mix():
 def test_the_gate_reads_the_load_mix_the_engines_servers_served(tmp_path, monkeypatch):
     import dagster as dg
 
-    from eagle3_assets.eye import load_mix as eye_mix
+    from eagle3_assets.eye import served_load as eye_mix
     from eagle3_assets.eye.servers_file import SERVERS_ENV, asset_key
 
     servers = tmp_path / "servers.yaml"
