@@ -239,6 +239,9 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         assert f"AL {bench:.3f}" in out and "live, last day:" in out
         assert "fired: live" in out and "fired: offline" in out
     finally:
+        # a sensor's state lives in the instance: left on, it would replay the next tests' traffic days meanwhile
+        subprocess.run(["dagster", "sensor", "stop", "traffic_drift_sensor", "-w", str(ROOT / "workspace.yaml")],
+                       cwd=ROOT, env=daemon.env, capture_output=True, timeout=300, check=False)
         daemon.stop()
 
 
