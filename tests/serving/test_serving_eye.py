@@ -307,11 +307,17 @@ def test_the_loop_retrains_on_the_new_traffic_promotes_through_the_gate_and_roll
         serving_loop.stop_servers(work, ("prod-a", "canary"))
 
 
+# The new language is learnt at 1 request at a time; at 4 both drafters draft k=3 on 2 shared cores, where 8 requests
+# measure one drafter's tokens/s to +-40 % (CI saw 31.5 against 53.5 with equal settings): at half the weight that
+# noise alone refused a challenger 40 % faster at 1.
+MIX = {"1": 0.75, "4": 0.25}
+
+
 def test_the_loops_second_turn_is_judged_against_the_first_promotion_and_retrains_again(production):
     """The loop's second turn on the same instance (`eagle3-assets serving-loop --kind it-pt`): the drafter the first
     turn promoted serves, judged against its gate figures; traffic in Italian and Portuguese (neither the shipped
     drafter nor the first retraining learned them) is reported as drift, retrained on, gated at a load mix given by
-    hand (half the output at 4 requests at once), promoted and rolled out, and the live acceptance on held-out
+    hand (a quarter of the output at 4 requests at once), promoted and rolled out, and the live acceptance on held-out
     prompts of that kind rises."""
     p = production
     first = record.current(p.graph.instance, "vllm")
@@ -322,7 +328,7 @@ def test_the_loops_second_turn_is_judged_against_the_first_promotion_and_retrain
     try:
         story = serving_loop.run(p.home, work, name="prod-a", kind="it-pt", workspace=ROOT / "workspace.yaml",
                                  cwd=ROOT, env={"EAGLE3_HOST_WORKDIR": str(p.graph.workdir)}, timeout_s=2400,
-                                 retrain=_retrain(load_mix={"1": 0.5, "4": 0.5}))
+                                 retrain=_retrain(load_mix=MIX))
     finally:
         serving_loop.stop_servers(work, ("prod-a",))
     now = record.current(p.graph.instance, "vllm")
@@ -347,12 +353,13 @@ def test_the_loops_second_turn_is_judged_against_the_first_promotion_and_retrain
     assert story.after is not None and story.after > story.before
     # the gate weighed the speedups by the load mix given by hand, measured at each of its concurrencies
     assert gate["challenger"] == now["version"]
-    assert gate["load_mix_from"] == "the load mix given: 50% at 1, 50% at 4", gate["load_mix_from"]
+    assert gate["load_mix_from"] == "the load mix given: 75% at 1, 25% at 4", gate["load_mix_from"]
     for label in ("champion", "challenger"):
         traffic, base = gate["figures"][label]["traffic"], gate["figures"]["baseline"]["traffic"]
         tok, base_tok = ({int(c): v for c, v in f["tokens_per_s_by_concurrency"].items()} for f in (traffic, base))
         assert set(tok) == {1, 4} and all(v > 0 for v in tok.values())
-        assert traffic["speedup"] == pytest.approx(load_mix.speedup({1: 0.5, 4: 0.5}, tok, base_tok), abs=1e-3)
+        mix = {int(c): w for c, w in MIX.items()}
+        assert traffic["speedup"] == pytest.approx(load_mix.speedup(mix, tok, base_tok), abs=1e-3)
         assert gate[f"{label}_traffic_speedup_at_4"] == pytest.approx(tok[4] / base_tok[4], abs=1e-3)
 
 
@@ -365,9 +372,15 @@ def _healthy(url: str) -> bool:
 
 
 def _failure(instance, run_id: str) -> str:
-    return "\n".join(e.dagster_event.step_failure_data.user_failure_data.description or ""
-                     for e in instance.all_logs(run_id) if e.dagster_event and e.dagster_event.is_step_failure
-                     and e.dagster_event.step_failure_data.user_failure_data)
+    """Why the run failed: its steps' failures, and the blocking checks that failed (the gate refusing)."""
+    out = []
+    for e in instance.all_logs(run_id):
+        ev = e.dagster_event
+        if ev and ev.is_step_failure and ev.step_failure_data.user_failure_data:
+            out.append(ev.step_failure_data.user_failure_data.description or "")
+        elif ev and ev.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION and not ev.event_specific_data.passed:
+            out.append(f"check {ev.event_specific_data.check_name} failed: {ev.event_specific_data.description}")
+    return "\n".join(out)
 
 
 def test_live_acceptance_from_a_real_server_through_load_a_stop_and_a_restart(production):
