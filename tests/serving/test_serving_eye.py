@@ -19,6 +19,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
+from dagster._core.scheduler.instigation import InstigatorType
 
 from conftest import Graph
 from daemon_harness import ROOT, start_daemon, stop_daemon
@@ -145,6 +146,15 @@ class Daemon:
         stop_daemon(self.proc)
 
 
+def _cursor(instance, sensor: str) -> dict:
+    """The sensor's cursor as the daemon last stored it ({} before its first tick)."""
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.name == sensor and state.instigator_data and state.instigator_data.cursor:
+            raw = json.loads(state.instigator_data.cursor)
+            return {"after": raw} if isinstance(raw, int) else raw
+    return {}
+
+
 def _finished(runs) -> bool:
     return bool(runs) and all(r.is_finished for r in runs)
 
@@ -153,7 +163,7 @@ def _report(instance, signal: str) -> dict:
     for rec in instance.fetch_materializations(dg.AssetKey("drift_report"), limit=20).records:
         meta = {k: v.value for k, v in rec.event_log_entry.asset_materialization.metadata.items()}
         if meta["signal"] == signal:
-            return {"t": rec.timestamp, **meta}
+            return {"t": rec.timestamp, "storage_id": rec.storage_id, **meta}
     raise AssertionError(f"no {signal} drift report")
 
 
@@ -494,7 +504,10 @@ def test_a_planted_collapse_is_reported_as_a_collapse_within_one_window_and_star
             assert report["report"].startswith("**Collapse, not drift**: broken served")
             assert report["checkpoint"] == p.graph.data_version("eagle3_drafter")
             assert any(c["state"] == "collapse" and not c["passed"] for c in checks)
-            time.sleep(75)  # the retraining sensor ticks every 60 s: it has read the report by now
+            # the retraining sensor (a tick a minute) reads the report and skips it: its cursor moves past the report
+            seen = daemon.wait("the retraining sensor to read the collapse report", lambda: _cursor(
+                p.graph.instance, "retrain_on_drift_sensor").get("after", 0), lambda a: a >= report["storage_id"], 150)
+            assert seen >= report["storage_id"]
             assert not p.graph.instance.get_runs(dg.RunsFilter(tags={"eagle3/retrain": "vllm"}, created_after=
                                                               datetime.fromtimestamp(t0, tz=timezone.utc)))
         finally:
