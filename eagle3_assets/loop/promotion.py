@@ -2,12 +2,15 @@
 
 promotion_gate (per engine) serves the drafter in production (the champion) and the challenger with the same
 settings in the same run (stage serve_compare), on prompts of the recent traffic held out of the retraining and on
-the standing eval set. Its blocking checks hold the gate: the challenger beats the champion on the held-out traffic,
-in acceptance length and speedup, by `margin` (the speedup at the load mix the production served, from the serving
-eye's observations of the last day: a drafter that wins one request at a time and loses where production serves
-is not promoted); and loses no more than `eval_tolerance` of its acceptance length on the
-eval set. production_drafter (per engine) records each decision (production.py): promoted by the gate (it runs only
-once the gate's checks pass), promoted by hand, rolled back."""
+the standing eval set. Its blocking checks hold the gate: the challenger beats the champion's acceptance length on the
+held-out traffic by `margin` and holds its speedup there within `speed_tolerance` (the speedup at the load mix the
+production served, from the serving eye's observations of the last day: a drafter that wins one request at a time and
+loses where production serves is not promoted); and loses no more than `eval_tolerance` of its acceptance length on
+the eval set. Why a tolerance on speed, not a margin: acceptance is counted by the engine over every drafted token,
+while tokens/s on a shared host swings by a sixth between passes of the same drafter (CI: a challenger 17 % better
+in acceptance measured 0.8 % faster and was refused when the gate asked for a speed gain as well).
+production_drafter (per engine) records each decision (production.py): promoted by the gate (it runs only once the
+gate's checks pass), promoted by hand, rolled back."""
 
 from typing import Literal
 
@@ -32,8 +35,11 @@ CHALLENGER = dg.AssetKey("challenger_export")
 class PromotionGateConfig(dg.Config, ServeCompareSettings):
     """serve_compare's launch settings (eagle3_assets/stages/serve_compare.py), and the gate's margins."""
 
-    margin: float = Field(default=0.02, ge=0, description="the challenger's acceptance length and speedup on the "
-                          "held-out traffic must beat the champion's by this fraction")
+    margin: float = Field(default=0.02, ge=0, description="the challenger's acceptance length on the held-out "
+                          "traffic must beat the champion's by this fraction")
+    speed_tolerance: float = Field(default=0.05, gt=-1, lt=1, description="the challenger's speedup on the held-out "
+                                   "traffic (at the load mix) may fall below the champion's by at most this fraction "
+                                   "(the measurement's noise on a shared host); negative asks for a gain of that much")
     eval_tolerance: float = Field(default=0.03, ge=0, lt=1, description="the challenger's acceptance length on the "
                                   "eval set may fall below the champion's by at most this fraction")
     load_window_h: float = Field(default=24, gt=0, description="unless load_mix is given: the load mix the engine's "
@@ -42,11 +48,13 @@ class PromotionGateConfig(dg.Config, ServeCompareSettings):
                              "adds a pass over the held-out traffic on every server)")
 
 
-GATE_ONLY = {"margin", "eval_tolerance", "load_window_h", "load_levels"}
+GATE_ONLY = {"margin", "speed_tolerance", "eval_tolerance", "load_window_h", "load_levels"}
 
 
-def verdict(figures: dict, margin: float, tolerance: float) -> dict[str, tuple[bool, str]]:
-    """Each blocking check's (passed, why) from serve_compare's figures {label: {set: figures}}."""
+def verdict(figures: dict, margin: float, tolerance: float, speed_tolerance: float = 0.05) -> dict[str, tuple[bool, str]]:
+    """Each blocking check's (passed, why) from serve_compare's figures {label: {set: figures}}: on the traffic the
+    acceptance length must gain `margin`, the speedup lose at most `speed_tolerance`; on the eval set the acceptance
+    length lose at most `tolerance`."""
     champ, chall = figures["champion"], figures["challenger"]
     out = {}
     why = []
@@ -60,9 +68,9 @@ def verdict(figures: dict, margin: float, tolerance: float) -> dict[str, tuple[b
             ok = False
             why.append(f"{key} not measured")
             continue
-        beat = b >= a * (1 + margin)
-        ok &= beat
-        why.append(f"{key} {b:.3f} vs the champion's {a:.3f} ({(b - a) / a:+.1%}, must be >= +{margin:.0%})")
+        need = -speed_tolerance if key == "speedup" else margin
+        ok &= b >= a * (1 + need)
+        why.append(f"{key} {b:.3f} vs the champion's {a:.3f} ({(b - a) / a:+.1%}, must be >= {need:+.0%})")
     out[BEATS] = (ok, "on the held-out traffic: " + "; ".join(why))
     a, b = champ["eval"]["acceptance_length"], chall["eval"]["acceptance_length"]
     holds = a is not None and b is not None and b >= a * (1 - tolerance)
@@ -99,7 +107,7 @@ def promotion_gate(context: dg.AssetExecutionContext, config: PromotionGateConfi
         "prompt_sets": {"traffic": split["heldout"], "eval": EVAL}, "out_dir": f"gate/{engine}",
         **config.model_dump(exclude=GATE_ONLY), "load_mix": mix})
     figures = run.result["figures"]
-    checks = verdict(figures, config.margin, config.eval_tolerance)
+    checks = verdict(figures, config.margin, config.eval_tolerance, config.speed_tolerance)
     passed = all(ok for ok, _ in checks.values())
     context.log.info("; ".join(why for _, why in checks.values()))
     result = run.materialize_result(

@@ -108,12 +108,20 @@ def _figures(champ_traffic, chall_traffic, champ_eval, chall_eval, speedups=(1.1
 
 
 def test_the_gate_wants_a_margin_on_the_traffic_and_a_tolerance_on_the_eval_set():
+    """Acceptance on the held-out traffic must gain the margin; speed must hold within its tolerance."""
     ok = verdict(_figures(1.40, 1.60, 1.90, 1.88), margin=0.02, tolerance=0.03)
     assert ok[BEATS][0] and ok[HOLDS][0]
     close = verdict(_figures(1.40, 1.42, 1.90, 1.90), margin=0.02, tolerance=0.03)
     assert not close[BEATS][0] and "must be >= +2%" in close[BEATS][1]
     slower = verdict(_figures(1.40, 1.60, 1.90, 1.90, speedups=(1.2, 1.1)), margin=0.02, tolerance=0.03)
     assert not slower[BEATS][0] and "speedup 1.100 vs the champion's 1.200" in slower[BEATS][1]
+    assert "must be >= -5%" in slower[BEATS][1]
+    # better acceptance at a speed within the host's noise: promoted (CI measured +17 % acceptance at +0.8 % speed)
+    level = verdict(_figures(1.317, 1.541, 1.88, 1.84, speedups=(1.2072, 1.2171)), margin=0.02, tolerance=0.03)
+    assert level[BEATS][0], level[BEATS][1]
+    strict = verdict(_figures(1.317, 1.541, 1.88, 1.84, speedups=(1.2072, 1.2171)), margin=0.02, tolerance=0.03,
+                     speed_tolerance=-0.02)  # a team that wants a speed gain as well says so
+    assert not strict[BEATS][0] and "must be >= +2%" in strict[BEATS][1]
     forgot = verdict(_figures(1.40, 1.70, 1.90, 1.70), margin=0.02, tolerance=0.03)
     assert forgot[BEATS][0] and not forgot[HOLDS][0]
 
