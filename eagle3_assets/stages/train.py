@@ -65,6 +65,13 @@ class TrainSettings(Settings):
         default="offline", description="offline: from the hidden-state shards; online: from the target itself, "
         "loaded beside the drafter (hf backend), batch by batch, nothing written to disk (from the conversations); "
         "auto: offline when shards are on disk or would fit the free disk with a 20 % margin, else online")
+    online_from: Literal["target", "vllm"] = Field(
+        default="target", description="online: where the hidden states come from: target (loaded beside the "
+        "drafter, the hf backend) or vllm (the product's vLLM extraction streams them into the trainer over a local "
+        "socket, one batch ahead: for a target no training GPU holds; launch settings in online_engine)")
+    online_engine: dict = Field(default={}, description="online_from vllm: the engine's launch settings, as "
+                                "hidden_state_shards takes them (engine_python, tensor_parallel_size, env, "
+                                "extra_args, dtype, ready_timeout_s, concurrency, ...)")
     save_every_steps: int = Field(default=0, ge=0, description="checkpoint every N steps (0: at each epoch end)")
     resume: bool = True
     num_processes: int = Field(default=1, gt=0, description="GPUs of the host to train on (data parallel, via "
@@ -74,6 +81,14 @@ class TrainSettings(Settings):
 
 
     _plain_run_name = field_validator("run_name")(classmethod(lambda cls, v: plain_name(v)))
+
+    @field_validator("online_engine")
+    @classmethod
+    def _engine_settings(cls, v: dict) -> dict:
+        from .extract import ExtractSettings
+
+        ExtractSettings(**v)  # a misspelt or ill-typed setting fails here, naming it, not on the host
+        return v
 
 
 class TrainArgs(Args, TrainSettings):
@@ -107,6 +122,9 @@ class TrainArgs(Args, TrainSettings):
                              "hidden states are computed from)")
         if self.hidden_states == "auto" and not (self.shards or self.conversations):
             raise ValueError("shards or conversations: required for hidden_states auto")
+        if self.online_from == "vllm" and self.num_processes > 1:
+            raise ValueError("online_from vllm trains in one process (the engine streams to one trainer): set "
+                             "num_processes 1, or train offline from shards")
         return self
 
     @field_validator("out")

@@ -54,8 +54,9 @@ def test_the_code_version_changes_with_the_worker_code_the_asset_runs_and_nothin
 
 def test_a_change_to_one_stages_contract_re_versions_only_the_assets_running_that_stage(tmp_path):
     """The contracts are read by name (stages/__init__.py imports none of them), and an annotation-only import
-    (under TYPE_CHECKING) runs nothing: editing the extract contract re-versions the shards and the host
-    preflight (which sizes the disk with the extract settings), and no asset downstream of them."""
+    (under TYPE_CHECKING) runs nothing: editing the extract contract re-versions the shards, the host
+    preflight (which sizes the disk with the extract settings) and the drafter (online from vLLM, the train stage
+    launches the engine with them: `online_engine`), and no other asset downstream of them."""
     same, edited = _copy(tmp_path, "same"), _copy(tmp_path, "extract", "stages/extract.py")
     changed = {f"{m}.{f}" for m, f in [DRAFTER, EXPORT, ACCEPT, BENCH, PROMPTS, SHARDS,
                                        ("eagle3_assets.assets.host", "host_preflight"),
@@ -64,7 +65,7 @@ def test_a_change_to_one_stages_contract_re_versions_only_the_assets_running_tha
                                        ("eagle3_assets.assets.target", "target_model")]
                if cv.code_version(m, f, root=edited) != cv.code_version(m, f, root=same)}
     assert changed == {"eagle3_assets.assets.hidden_states.hidden_state_shards",
-                       "eagle3_assets.assets.host.host_preflight"}
+                       "eagle3_assets.assets.host.host_preflight", "eagle3_assets.assets.drafter.eagle3_drafter"}
 
 
 def test_the_files_hashed_are_the_asset_module_its_stages_and_their_imports():

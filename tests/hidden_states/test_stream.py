@@ -1,4 +1,4 @@
-"""The stream online training from an engine reads hidden states through (worker/hidden_states/stream.py), over a
+"""The stream online training from an engine reads hidden states through (worker/shards/stream.py), over a
 real Unix socket from a producer in a process of its own: samples arrive whole and in order, a producer ahead of
 the trainer waits, and a producer killed mid-frame or a damaged frame never hands on half a sample."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_assets.worker.hidden_states.stream import Receiver, StreamError, encode
+from eagle3_assets.worker.shards.stream import Receiver, StreamError, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 # The producer: N samples of the given size; after each whole send, the count in `progress`. `cut`: after the
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PRODUCER = r"""
 import sys, time, torch
 from pathlib import Path
-from eagle3_assets.worker.hidden_states.stream import Sender, encode
+from eagle3_assets.worker.shards.stream import Sender, encode
 path, n, tokens, progress, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 s = Sender(path)
 for i in range(n):

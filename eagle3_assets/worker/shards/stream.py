@@ -1,5 +1,6 @@
-"""Hidden states streamed from a producer (the serving engine's connector) to the trainer, for online training
-from an engine (`hidden_states: online` where no training GPU holds the target): no shard file, a local socket.
+"""Hidden states streamed from a producer (the serving engine's connector, engines/vllm/connector.py in stream
+mode) to their consumer (engines/vllm/streaming.py, for online training from an engine where no training GPU holds
+the target): no shard file, a local socket. Beside the shards' writer: the same samples, not on disk.
 
 A frame is one sample: MAGIC, then the lengths of its JSON header and its payload and the CRC-32 of both (one
 struct, FRAME), then the header (`id`, anything the trainer needs, and each tensor's name, dtype, shape and byte
@@ -141,6 +142,7 @@ class Receiver:
         self.server.settimeout(accept_timeout_s)
         self.frames: queue.Queue = queue.Queue(maxsize=depth)
         self.received = 0
+        self._ended = False
         self._conn: socket.socket | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hidden-state-stream", daemon=True)
@@ -175,13 +177,24 @@ class Receiver:
                 return
         self._put(_END)
 
+    def next(self, timeout_s: float | None = None) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The next whole frame, None at the stream's clean end; TimeoutError when none came in `timeout_s` (the
+        caller can look at its producer meanwhile)."""
+        if self._ended:
+            return None
+        try:
+            item = self.frames.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no frame on {self.path} in {timeout_s} s") from None
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
     def __iter__(self):
-        while True:
-            item = self.frames.get()
-            if item is _END:
-                return
-            if isinstance(item, Exception):
-                raise item
+        while (item := self.next()) is not None:
             yield item
 
     def close(self) -> None:

@@ -104,20 +104,26 @@ class OnlineStates:
         return {**out, "aux": aux[0].float().cpu(), "final": final[0].float().cpu()}
 
     # ---- batches: `host_batch` on the host (tokens, and the target forwards' plan), `finish` on the device
-    def host_batch(self, rows: list[list[int]], row_tokens: int, loss_on: str, rows_per_batch: int,
-                   pad: bool = False, pin: bool = False) -> dict:
-        batch = host_batch(self.convs, rows, row_tokens, None, loss_on, rows_per_batch, pad=pad, pin=pin)
+    def pieces(self, rows: list[list[int]], T: int, row_tokens: int, rows_per_batch: int) -> list[tuple[int, Sample]]:
+        """(where the piece starts in the flat [B*T] batch, the sample cut to what its row keeps), in collate's
+        packing; each piece's `row` is its place in the list, its loss mask the sample's."""
         _, cap = batch_shape([[self.refs[i].length for i in row] for row in rows], row_tokens, rows_per_batch)
-        T = batch["input_ids"].shape[1]
-        pieces = []  # (where the piece starts in the flat [B*T] batch, the sample cut to what its row keeps)
+        pieces = []
         for b, row in enumerate(rows):
             o = 0
-            for i in row:  # collate's packing
+            for i in row:
                 ln = min(self.refs[i].length, cap - o)
                 if ln <= 0:
                     break
-                pieces.append((b * T + o, Sample(len(pieces), "", self.convs.ids[i][:ln].tolist(), [])))
+                pieces.append((b * T + o, Sample(len(pieces), f"sample {i}", self.convs.ids[i][:ln].tolist(),
+                                                 self.convs.masks[i][:ln].tolist())))
                 o += ln
+        return pieces
+
+    def host_batch(self, rows: list[list[int]], row_tokens: int, loss_on: str, rows_per_batch: int,
+                   pad: bool = False, pin: bool = False) -> dict:
+        batch = host_batch(self.convs, rows, row_tokens, None, loss_on, rows_per_batch, pad=pad, pin=pin)
+        pieces = self.pieces(rows, batch["input_ids"].shape[1], row_tokens, rows_per_batch)
         fwd, start, at = [], {}, 0
         for group in make_batches([s for _, s in pieces], self.batch_tokens):
             ids, valid, lengths = pad_batch(group)
@@ -135,7 +141,6 @@ class OnlineStates:
         real tokens scattered into the packed layout (padding 0), and the labels."""
         dev = batch["input_ids"].device
         fwd, src, dest = batch.pop("_fwd"), batch.pop("_src"), batch.pop("_dest")
-        B, T = batch["input_ids"].shape
         # the target computes as the extraction does: in its own dtype, whatever autocast the caller is under
         with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             auxs, finals = [], []
@@ -147,6 +152,13 @@ class OnlineStates:
                 del aux, final
             aux, final = torch.cat(auxs).index_select(0, src), torch.cat(finals).index_select(0, src)
             del auxs, finals
+        return self.packed(batch, aux, final, dest)
+
+    def packed(self, batch: dict, aux: torch.Tensor, final: torch.Tensor, dest: torch.Tensor) -> dict:
+        """The states of the batch's real tokens ([tokens, ...], in the order of `dest`) scattered into the packed
+        [B, T] layout (padding 0), and each position's label: the target's greedy token as a draft id."""
+        dev = batch["input_ids"].device
+        B, T = batch["input_ids"].shape
         with torch.no_grad():
             t_draft = torch.full((B * T,), -1, dtype=torch.long, device=dev)
             with autocast(str(dev), self.bf16):

@@ -60,7 +60,9 @@ FINITE_CHECK_EVERY = 50  # GPU path: steps between reads of the non-finite-loss 
 def aux_rms_scale(data: ShardSet, hidden: int, samples: int = 64) -> torch.Tensor:
     """1 / (median per-token RMS) of each aux layer over a fixed sample of the data, per channel."""
     step = max(1, len(data.refs) // samples)
-    aux = torch.cat([data.read(r)["aux"].float() for r in data.refs[::step]])
+    refs = data.refs[::step]
+    reads = data.read_many(refs) if hasattr(data, "read_many") else (data.read(r) for r in refs)  # engine: one pass
+    aux = torch.cat([r["aux"].float() for r in reads])
     rms = aux.view(aux.shape[0], 3, hidden).pow(2).mean(-1).sqrt().median(0).values.clamp(min=1e-6)
     return (1.0 / rms).repeat_interleave(hidden)
 
@@ -212,12 +214,26 @@ class Trainer:
                              "the conversations alone")
         aux = list(args.aux_layers or finetune_ids or default_aux_layers(n))
         check_aux_layers(aux, n)
+        if args.online_from == "vllm":
+            return self._engine_data(aux, n)
         info = choice(args.dtype, self.device)
         data = OnlineStates(self.convs, self.target, aux, info["dtype"], self.device, int(args.target_batch_tokens))
         if self.group.is_main:
             self.reporter.log(f"online hidden states: the target {self.target} beside the drafter on {self.device} "
                               f"({line(info)}), aux layers {aux} ({LAYER_CONVENTION}) + final pre-norm, computed "
                               "batch by batch; no shard is written")
+        return data
+
+    def _engine_data(self, aux: list[int], num_layers: int):
+        """Online from vLLM: the engine started here, on this host, for the whole run (one process)."""
+        from ...stages.extract import ExtractSettings
+        from .engine_online import EngineStates
+
+        settings = ExtractSettings(**self.args.online_engine)
+        data = EngineStates(self.convs, self.target, aux, num_layers, settings, self.reporter,
+                            self.out / "vllm-online.log", self.device)
+        self.reporter.log(f"online hidden states from {data.source} (aux layers {aux}, the extraction's convention), "
+                          f"streamed one batch ahead of the drafter's step; no shard is written")
         return data
 
     def _build_model(self) -> None:
@@ -581,7 +597,8 @@ class Trainer:
         def gib(tensors) -> float:
             return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 3)
 
-        target = [*self.data.model.parameters(), *self.data.model.buffers()] if self.mode == "online" else []
+        model = getattr(self.data, "model", None)  # online from the target: its weights are here too
+        target = [*model.parameters(), *model.buffers()] if model is not None else []
         state = [v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return {"gpu_mem_target_gib": gib(target),
                 "gpu_mem_drafter_gib": gib([*self.model.parameters(), *self.model.buffers(), *self.head.parameters(),
@@ -610,12 +627,14 @@ class Trainer:
         init = self.args.init_from
         before, acc, loss_per, curve = self.before, self.acc, self.loss_per, self.curve
         source = (f"online, from conversations {self.args.conversations} with target {self.args.target}"
+                  + (f" through engine {self.data.source}" if hasattr(self.data, "engine") else "")
                   if self.mode == "online" else f"offline, from shards {', '.join(self.args.shards)}")
         meta = {
             "path": str(model_dir),
             "hidden_states": self.mode,
             "hidden_states_source": source,
             "hidden_state_bytes_written": 0,  # training writes none: offline they were written by the extraction
+            **({"online_parity": getattr(self.data, "parity", None)} if hasattr(self.data, "engine") else {}),
             **self.estimate,
             **self.memory(),
             "init": "finetune" if init else "scratch",
@@ -683,6 +702,9 @@ def run(workdir: str, args: TrainArgs, reporter) -> None:
         trainer.fit()
         trainer.publish()
     finally:
+        close = getattr(getattr(trainer, "data", None), "close", None)
+        if close is not None:  # online: the target's hooks, or the engine streaming to us
+            close()
         if reporter.tracker is not None:
             reporter.tracker.close()
             reporter.tracker = None

@@ -473,16 +473,18 @@ except Exception as e:
 def extract_command(python: str, target: str, port: int, *, layer_ids: list[int], root: str, aux_columns: list[int],
                     final_column: int, part_bytes: int, io_threads: int, dtype: str, max_model_len: int,
                     storage: str,
-                    tensor_parallel_size: int, data_parallel_size: int, seed: int, extra: list[str]) -> list[str]:
+                    tensor_parallel_size: int, data_parallel_size: int, seed: int, extra: list[str],
+                    stream: str | None = None) -> list[str]:
     """The target served for extraction: the `extract_hidden_states` method capturing `layer_ids` (vLLM's
-    numbering), our connector writing under `root`. Prefix caching is off (it shortens dumps in some
-    releases) and a whole sample fits one forward step (no chunked prefill across steps)."""
+    numbering), our connector writing under `root` (or, with `stream`, sending to that Unix socket). Prefix caching
+    is off (it shortens dumps in some releases) and a whole sample fits one forward step (no chunked prefill across
+    steps)."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
           "kv_connector_extra_config": {"root": root, "aux_columns": aux_columns, "final_column": final_column,
                                         "part_bytes": int(part_bytes), "io_threads": int(io_threads),
-                                        "storage": storage}}
+                                        "storage": storage, **({"stream": stream} if stream else {})}}
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--max-num-batched-tokens", str(max(max_model_len, 2048)), "--seed", str(seed),

@@ -13,6 +13,12 @@ request per data-parallel engine; that engine finishes its last part and writes
 `get_finished_count() == 1` tells vLLM to expect one notification per request, or its blocks would never be
 freed. The layers arrive in the order of the capture ids; `columns` (extra config) says which are aux and
 which is the final state, so the translation between conventions lives in one place (engines/vllm/__init__.py).
+
+In stream mode (extra config `stream`: a Unix socket's path) nothing is written: each finished request's states
+go to the socket as one frame (shards/stream.py: header with row, id, token ids and loss spans; tensors aux and
+final), and a flush request sends an end frame with its nonce. The send blocks while the consumer is behind, and
+with it the engine's next step: the engine waits for the trainer. A consumer gone is logged once and the frames
+after it dropped; the client sees the samples missing (streaming.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
 from ....common.shard_format import part_tokens
+from ...shards.stream import Sender
 from ...shards.writer import Sample, ShardWriter
 from ..dump import mask_from_spans, parts_file, write_parts
 
@@ -70,6 +77,9 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
         self.storage = str(extra("storage", "native"))
         self.aux_columns = [int(c) for c in extra("aux_columns", [0, 1, 2])]
         self.final_column = int(extra("final_column", 3))
+        self.stream = str(extra("stream", "") or "")
+        self._sender: Sender | None = None
+        self._stream_broken = False
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.group_id = self._hidden_state_group(kv_cache_config)
         self.block_size = (kv_cache_config.kv_cache_groups[self.group_id].kv_cache_spec.block_size
@@ -148,23 +158,45 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._rank0:
             return
         if "flush" in e:
-            self._flush(name, str(e["flush"]))
+            if self.stream:
+                self._send({"id": f"flush {e['flush']}", "flush": str(e["flush"]), "dp_rank": self.dp_rank}, {})
+            else:
+                self._flush(name, str(e["flush"]))
             self._events[p.req_id] = None
             return
-        w = self._writer(name)
         n = len(p.token_ids)
         blocks = torch.tensor(p.block_ids, dtype=torch.long)
         slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
         if slots.numel() < n:  # fewer cached rows than prompt tokens: a short dump
-            self._problems[name].append(f"row {e['row']} ({e['id']}): {slots.numel()} hidden-state rows for {n} tokens")
+            self._problems.setdefault(name, []).append(
+                f"row {e['row']} ({e['id']}): {slots.numel()} hidden-state rows for {n} tokens")
             n = slots.numel()
         slots = slots[:n].to(self._kv_cache.device, non_blocking=True)
         states = self._kv_cache[slots // self.block_size, :, slots % self.block_size]  # [n, captured, H]
         aux = states[:, self.aux_columns].flatten(1)
         final = states[:, self.final_column]
         ids = p.token_ids[:n]
+        if self.stream:  # copied to the host and sent now: the blocks are free once this returns
+            self._send({"id": str(e["id"]), "row": int(e["row"]), "input_ids": ids,
+                        "loss_spans": e.get("loss_spans") or [], "tokens": len(p.token_ids)},
+                       {"aux": aux.cpu(), "final": final.cpu()})
+            self._events[p.req_id] = None
+            return
+        w = self._writer(name)
         w.add([Sample(int(e["row"]), str(e["id"]), ids, mask_from_spans(n, e.get("loss_spans") or []))], [n], aux, final)
         self._events[p.req_id] = w.cur.event
+
+    def _send(self, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+        if self._stream_broken:
+            return
+        try:
+            if self._sender is None:
+                self._sender = Sender(self.stream)
+            self._sender.send(header, tensors)  # blocks while the consumer is behind: the engine waits
+        except OSError as e:
+            self._stream_broken = True
+            logger.error("eagle3 stream to %s broke at sample %s (%s): the frames after it are dropped",
+                         self.stream, header.get("id"), e)
 
     def _flush(self, name: str, nonce: str) -> None:
         write_parts(self.root / name / parts_file(self.dp_rank), nonce, self.dp_rank, self._writers.pop(name, None),
@@ -192,6 +224,8 @@ class Eagle3ShardConnector(KVConnectorBase_V1, SupportsHMA):
         return done or None, None
 
     def shutdown(self):
+        if self._sender is not None:
+            self._sender.close()
         for w in self._writers.values():  # unfinished shards: the client never publishes them
             w.pool.shutdown(wait=True, cancel_futures=True)
 

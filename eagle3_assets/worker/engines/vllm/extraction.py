@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each
     from ....stages.extract import ExtractArgs
 
 
-def _post(port: int, body: dict, headers: dict | None = None, timeout_s: float = 600.0) -> dict:
+def post_completion(port: int, body: dict, headers: dict | None = None, timeout_s: float = 600.0) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body),
@@ -39,7 +39,7 @@ def _post(port: int, body: dict, headers: dict | None = None, timeout_s: float =
         conn.close()
 
 
-def _request(s: Sample, dir_name: str) -> dict:
+def sample_request(s: Sample, dir_name: str) -> dict:
     return {"model": "target", "prompt": s.input_ids, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {"eagle3": {"dir": dir_name, "row": s.row, "id": s.id,
                                               "loss_spans": loss_spans(s.loss_mask)}}}
@@ -75,7 +75,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
 
         def one(s: Sample) -> None:
             try:
-                _post(port, _request(s, tmp.name))
+                post_completion(port, sample_request(s, tmp.name))
             except (OSError, http.client.HTTPException, ValueError, StageError) as e:
                 why = server.died(wait_s=10)
                 raise StageError(f"extraction request for row {s.row} ({s.id}) failed: {e}"
@@ -90,7 +90,7 @@ def extract(target: Path, samples: list[Sample], tmp: Path, aux_layers: list[int
         nonce = uuid.uuid4().hex
         for rank in range(dp):  # one flush per data-parallel engine, routed to it
             # a few tokens, not one: a one-token prompt runs the decode path, which some backends lack (CPU MLA)
-            _post(port, {"model": "target", "prompt": samples[0].input_ids[:8], "max_tokens": 1,
+            post_completion(port, {"model": "target", "prompt": samples[0].input_ids[:8], "max_tokens": 1,
                          "kv_transfer_params": {"eagle3": {"dir": tmp.name, "flush": nonce}}},
                   headers={"X-data-parallel-rank": str(rank)} if dp > 1 else None)
         files, index, problems = collect(tmp, dp, nonce, server.died, float(args.flush_timeout_s),
