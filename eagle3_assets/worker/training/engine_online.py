@@ -21,6 +21,7 @@ from ...common.shard_format import LAYER_CONVENTION
 from ..engines.vllm.streaming import EngineStream
 from ..errors import StageError
 from ..files import sha256_file
+from ..shards.writer import Sample
 from .online import Conversations, OnlineStates
 
 WINDOW = 16  # samples asked of the engine ahead of the one handed on
@@ -59,9 +60,7 @@ class EngineStates(OnlineStates):
     def read(self, ref, stored: bool = False) -> dict[str, torch.Tensor]:
         return self.read_many([ref])[0]
 
-    def _sample(self, row: int, i: int):
-        from ..shards.writer import Sample
-
+    def _sample(self, row: int, i: int) -> Sample:
         return Sample(row, f"sample {i}", self.convs.ids[i].tolist(), self.convs.masks[i].tolist())
 
     def host_batch(self, rows: list[list[int]], row_tokens: int, loss_on: str, rows_per_batch: int,
@@ -69,7 +68,7 @@ class EngineStates(OnlineStates):
         from .evaluate import host_batch
 
         batch = host_batch(self.convs, rows, row_tokens, None, loss_on, rows_per_batch, pad=pad, pin=pin)
-        pieces = self.pieces(rows, batch["input_ids"].shape[1], row_tokens, rows_per_batch)
+        pieces = self.pieces(rows, batch["input_ids"].shape[1], row_tokens, rows_per_batch, masks=True)
         auxs, finals = [], []
         for _, aux, final in self.engine.states([p for _, p in pieces]):
             auxs.append(aux)

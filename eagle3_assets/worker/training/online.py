@@ -104,9 +104,11 @@ class OnlineStates:
         return {**out, "aux": aux[0].float().cpu(), "final": final[0].float().cpu()}
 
     # ---- batches: `host_batch` on the host (tokens, and the target forwards' plan), `finish` on the device
-    def pieces(self, rows: list[list[int]], T: int, row_tokens: int, rows_per_batch: int) -> list[tuple[int, Sample]]:
+    def pieces(self, rows: list[list[int]], T: int, row_tokens: int, rows_per_batch: int,
+               masks: bool = False) -> list[tuple[int, Sample]]:
         """(where the piece starts in the flat [B*T] batch, the sample cut to what its row keeps), in collate's
-        packing; each piece's `row` is its place in the list, its loss mask the sample's."""
+        packing; each piece's `row` is its place in the list; its loss mask the sample's with `masks` (an engine
+        checks it), else empty (the target's forward needs none)."""
         _, cap = batch_shape([[self.refs[i].length for i in row] for row in rows], row_tokens, rows_per_batch)
         pieces = []
         for b, row in enumerate(rows):
@@ -116,7 +118,7 @@ class OnlineStates:
                 if ln <= 0:
                     break
                 pieces.append((b * T + o, Sample(len(pieces), f"sample {i}", self.convs.ids[i][:ln].tolist(),
-                                                 self.convs.masks[i][:ln].tolist())))
+                                                 self.convs.masks[i][:ln].tolist() if masks else [])))
                 o += ln
         return pieces
 

@@ -16,7 +16,6 @@ import http.client
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -189,13 +188,3 @@ class EngineStream:
             raise StageError(f"row {s.row} ({s.id}) streamed from vllm: " + "; ".join(problems))
         return aux, final
 
-
-def stream_states(target: Path, samples: list[Sample], aux_layers: list[int], num_layers: int,
-                  args: ExtractSettings, reporter, log: Path, window: int = 16, depth: int = 4):
-    """One pass over `samples` through a fresh engine (a test's or a tool's entry): yields as `states` does."""
-    max_len = max(len(s.input_ids) for s in samples) + 1
-    t0 = time.monotonic()
-    with EngineStream(target, aux_layers, num_layers, args, reporter, max_len, log, window, depth) as eng:
-        yield from eng.states(samples)
-        eng.end()
-        reporter.log(f"{eng.received - 1} samples streamed in {time.monotonic() - t0:.0f} s")
