@@ -12,6 +12,7 @@ import dagster as dg
 import yaml
 
 from . import lineage
+from .assets.executor import ONE_PROCESS
 from .assets.partitions import engine_partitions
 from .assets.serving import CONSISTENCY, SPEEDUP
 from .common.engines import DEFAULT
@@ -21,10 +22,10 @@ ACCEPTANCE_DROP = float(os.environ.get("EAGLE3_REGRESSION_ACCEPTANCE_DROP", "0.0
 SPEEDUP_DROP = float(os.environ.get("EAGLE3_REGRESSION_SPEEDUP_DROP", "0.10"))
 
 rebenchmark_job = dg.define_asset_job(
-    "rebenchmark", selection=["serving_benchmark"], partitions_def=engine_partitions,
+    "rebenchmark", selection=["serving_benchmark"], partitions_def=engine_partitions, executor_def=ONE_PROCESS,
     description="re-measure the current export on an engine; never retrains or re-exports")
 regression_report_job = dg.define_asset_job(
-    "regression_report", selection=["benchmark_regression"],
+    "regression_report", selection=["benchmark_regression"], executor_def=ONE_PROCESS,
     description="made by benchmark_regression_sensor: what dropped, and what differs in the lineage")
 
 

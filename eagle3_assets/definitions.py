@@ -10,6 +10,7 @@ import dagster as dg
 
 from . import eye, loop
 from .assets import pipeline_assets
+from .assets.executor import ONE_PROCESS
 from .assets.partitions import engine_partitions, shard_partitions
 from .automation import benchmark_regression_sensor, nightly_rebenchmark, rebenchmark_job, regression_report_job
 from .eye.servers_file import SERVERS_ENV, ServersFile, load_servers
@@ -89,6 +90,7 @@ prepare_data_job = dg.define_asset_job(
                 "(registers the shards)")
 extract_hidden_states_job = dg.define_asset_job(
     "extract_hidden_states", selection=["hidden_state_shards"], partitions_def=shard_partitions, config=shard_config,
+    executor_def=ONE_PROCESS,
     description="one hidden-state shard per run; launch a backfill over all partitions for the whole set (with a "
                 "pool of hosts, shard i runs on host i mod H: each run's eagle3/host tag)")
 train_drafter_job = dg.define_asset_job(

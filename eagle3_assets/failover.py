@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from .assets.executor import ONE_PROCESS
 from .assets.hidden_states import shard_inputs
 from .assets.partitions import shard_partitions
 from .hosts import HOST_TAG, GpuHost, HostPool
@@ -23,6 +24,7 @@ ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.Dagste
 
 extract_on_host_job = dg.define_asset_job(
     "extract_hidden_states_on_host", selection=["hidden_state_shards"], partitions_def=shard_partitions,
+    executor_def=ONE_PROCESS,
     description=f"one shard on the host its {HOST_TAG} tag names: the failover sensor's runs, or a shard sent to a "
                 "chosen host by hand (add the tag in the launchpad)")
 

@@ -22,6 +22,7 @@ import time
 
 import dagster as dg
 
+from ..assets.executor import ONE_PROCESS
 from . import served
 from .servers_file import DriftSettings, Server, ServersFile, asset_key
 from .traffic import LOGS_ENV, traffic_partitions
@@ -31,10 +32,10 @@ DRIFT_TAG = "eagle3/drift"  # on every run a drift sensor starts: what it is abo
 REPLAY, REPORT, TRAFFIC = dg.AssetKey("traffic_acceptance"), dg.AssetKey("drift_report"), dg.AssetKey("traffic")
 
 drift_report_job = dg.define_asset_job(
-    "report_drift", selection=[TRAFFIC, REPLAY, REPORT], partitions_def=traffic_partitions,
+    "report_drift", selection=[TRAFFIC, REPLAY, REPORT], partitions_def=traffic_partitions, executor_def=ONE_PROCESS,
     description="made by a drift sensor: (today's traffic, its replay by the served drafter, then) the drift report")
 check_traffic_job = dg.define_asset_job(
-    "check_traffic", selection=[REPLAY], partitions_def=traffic_partitions,
+    "check_traffic", selection=[REPLAY], partitions_def=traffic_partitions, executor_def=ONE_PROCESS,
     description="the offline drift signal: a day of traffic replayed by the served drafter (traffic_drift_sensor)")
 
 

@@ -8,12 +8,13 @@ from datetime import timedelta
 
 import dagster as dg
 
+from ..assets.executor import ONE_PROCESS
 from .traffic import LOGS_ENV, traffic_partitions
 
 READ_AT = "30 0 * * *"  # half past midnight where days begin: the day before is finished
 
 read_traffic_job = dg.define_asset_job(
-    "read_traffic", selection=["traffic"], partitions_def=traffic_partitions,
+    "read_traffic", selection=["traffic"], partitions_def=traffic_partitions, executor_def=ONE_PROCESS,
     description="a day of traffic read from the gateway's logs: each finished day (read_traffic_daily), or today "
                 "so far for a drift whose retraining waits for traffic")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
+from ..assets.executor import ONE_PROCESS
 from ..assets.partitions import engine_partitions
 from ..common.engines import DEFAULT
 from ..eye.servers_file import ServersFile
@@ -38,13 +39,14 @@ LOOP = ["retrain_data", "retrain_conversations", "retrain_shards", "challenger_d
         "promotion_gate", "challenger_schedule", "production_drafter", "rollout"]
 
 retrain_on_traffic_job = dg.define_asset_job(
-    "retrain_on_traffic", selection=LOOP, partitions_def=engine_partitions,
+    "retrain_on_traffic", selection=LOOP, partitions_def=engine_partitions, executor_def=ONE_PROCESS,
     config=dg.PartitionedConfig(partitions_def=engine_partitions, run_config_for_partition_key_fn=lambda key: {},
                                 tags_for_partition_key_fn=lambda key: {RETRAIN_TAG: key}),
     description="the newest traffic days into a challenger finetuned from the drafter in production, the promotion "
                 "gate, the challenger's speculation schedule and its promotion when the gate passes, the rollout "
                 "(partition: the engine)")
 rollout_job = dg.define_asset_job("rollout_drafter", selection=["rollout"], partitions_def=engine_partitions,
+                                  executor_def=ONE_PROCESS,
                                   description="put the drafter in production on the engine's servers, one at a time")
 
 
