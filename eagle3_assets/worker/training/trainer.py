@@ -23,6 +23,7 @@ batch plan, the optimizer), `resume`, `fit` (epochs of `train_step`s, with `eval
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -645,6 +646,7 @@ class Trainer:
             "epochs": int(hp.epochs),
             "epochs_trained": round(self.step / max(self.steps_per_epoch, 1), 2),
             "steps": self.step,
+            "data_order": _order_digest([s for epoch in self.steps_of for s in epoch][:self.step]),
             "requested_steps": self.requested_steps,
             "time_budget_s": hp.time_budget_s,
             "resumed_from_step": self.resumed_from,
@@ -687,6 +689,12 @@ class Trainer:
                                                       "hidden_states_source", "hidden_state_bytes_written")},
                               **{k: meta[k] for k in meta if k.startswith("gpu_mem_")},
                               "data_version": version, "acc": acc, "loss": loss_per})
+
+
+def _order_digest(steps: list) -> str:
+    """What a run trained on, in order (each step's batches of sample rows), as 16 hex digits: equal for an
+    uninterrupted run and a resumed one, offline or online, wherever the plan is the same."""
+    return hashlib.sha256(json.dumps(steps, default=int).encode()).hexdigest()[:16]
 
 
 def run(workdir: str, args: TrainArgs, reporter) -> None:
