@@ -151,6 +151,29 @@ def test_a_drafter_that_wins_alone_and_loses_under_load_is_judged_at_the_mix():
     assert load_mix.check({"16": 1, "1": 3}) == {1: 0.75, 16: 0.25}
 
 
+def test_a_stall_on_one_servers_batch_does_not_decide_the_gates_speedup():
+    from eagle3_assets.worker.serving.bench import paired_speedup
+    from eagle3_assets.worker.serving.compare import _at_mix
+    base = [40.0, 38.0, 41.0, 39.0, 40.0, 42.0, 38.0, 40.0]  # tokens/s of each batch the target alone served
+    mine = [round(1.3 * b, 2) for b in base]
+    mine[0] = 8.0  # the host stalled (a sensor's tick, a kernel built on first use) during one of the drafter's batches
+    assert sum(mine) / sum(base) < 1.2  # the sums' ratio the stall dragged down
+    assert paired_speedup(mine, base) == pytest.approx(1.3, abs=0.01)
+    assert paired_speedup([0.0, 10.0, 30.0], [10.0, 10.0, 10.0]) == pytest.approx(2.0)  # an empty batch is no ratio
+    assert paired_speedup([], []) is None
+    with pytest.raises(ValueError):
+        paired_speedup([1.0, 2.0], [1.0])
+    # the gate's figure at the mix weighs the paired speedups, and its speedups by concurrency say the same
+    fig = {"speedup": 1.3, "tokens_per_s_by_concurrency": {"1": 20.8, "4": 119.6}}
+    base_fig = {"tokens_per_s_by_concurrency": {"1": 40.0, "4": 60.0}}
+    _at_mix(fig, base_fig, {1: 0.5, 4: 0.5}, "challenger", type("R", (), {"log": lambda self, m: None})(),
+            {1: 1.3, 4: 1.1})
+    assert fig["speedup_by_concurrency"] == {"1": 1.3, "4": 1.1}
+    assert fig["speedup"] == pytest.approx(load_mix.speedup({1: 0.5, 4: 0.5}, {1: 52.0, 4: 66.0}, {1: 40.0, 4: 60.0}),
+                                           abs=1e-3)
+    assert fig["speedup_at_first_concurrency"] == 1.3
+
+
 def test_the_gate_reads_the_load_mix_the_engines_servers_served(tmp_path, monkeypatch):
     import dagster as dg
 

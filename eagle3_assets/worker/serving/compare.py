@@ -24,12 +24,12 @@ from ..errors import StageError
 from ..files import require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import at_load, drive_in_turn, measure, start_together
+from .bench import at_load, drive_in_turn, measure, paired_speedup, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_compare import ServeCompareArgs
 
-ROUND = 4  # requests per server per turn when the servers run together (_in_turn)
+PARTS = 3  # batches of `c` requests each server serves at least, in turn, when the servers run together (_in_turn)
 BASELINE = "baseline"
 
 
@@ -73,6 +73,7 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
         reporter.log(f"load mix: {load_mix.describe(mix)}" + (f"; {mix_set} also measured at {', '.join(map(str, more))}"
                                                               if more else ""))
     at: dict[str, dict[int, float]] = {label: {} for label in labels}  # tokens/s on the mix's set, by concurrency
+    paired: dict[str, dict] = {label: {} for label in labels}  # (set, c) -> speedup from parts served in turn
 
     def server(label: str, taken: list[int]) -> EngineServer:
         argv = engine.server_command(python, str(target), free_port(taken),
@@ -98,14 +99,16 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
             for srv in started.values():
                 srv.wait_ready(float(args.ready_timeout_s), reporter, since=t_start)
                 warm(srv)
-            reporter.log(f"measuring the {len(labels)} servers in turn, {ROUND} requests each at a time")
+            reporter.log(f"measuring the {len(labels)} servers in turn, a batch of {c} requests each at a time")
             for name, requests in sets.items():
                 for label, got in _in_turn(engine, started, requests, c, max_new, k, reporter).items():
                     _keep(figures, label, name, got, reporter)
+                    paired[label][(name, c)] = got.get("paired_speedup")
             for level in more:
                 for label, got in _in_turn(engine, started, at_load(sets[mix_set], level), level, max_new, k, reporter,
                                            acceptance=False).items():
                     at[label][level] = got["output_tokens_per_s"]
+                    paired[label][(mix_set, level)] = got.get("paired_speedup")
         else:
             for label in labels:
                 srv = running.enter_context(server(label, []))
@@ -127,9 +130,11 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
             for name in sets:
                 base = figures[BASELINE][name]["output_tokens_per_s"]
                 mine = figures[label][name]["output_tokens_per_s"]
-                figures[label][name]["speedup"] = round(mine / base, 4) if base and mine else None
+                figures[label][name]["speedup"] = paired[label].get((name, c)) or (
+                    round(mine / base, 4) if base and mine else None)
             if mix:
-                _at_mix(figures[label][mix_set], figures[BASELINE][mix_set], mix, label, reporter)
+                _at_mix(figures[label][mix_set], figures[BASELINE][mix_set], mix, label, reporter,
+                        {x: v for (name, x), v in paired[label].items() if name == mix_set and v})
     meta = {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
             "max_new_tokens": max_new, "concurrency": c, "figures": figures,
             **({"load_mix": {str(x): v for x, v in mix.items()}, "load_mix_set": mix_set} if mix else {}),
@@ -148,9 +153,12 @@ def _keep(figures: dict, label: str, name: str, got: dict, reporter) -> None:
                  f"{got.get('output_tokens_per_s')} tokens/s")
 
 
-def _at_mix(mine: dict, base: dict, mix: dict, label: str, reporter) -> None:
-    """The set's speedup at the mix, and by concurrency, into `mine`; the speedup at the first concurrency kept."""
+def _at_mix(mine: dict, base: dict, mix: dict, label: str, reporter, paired: dict[int, float]) -> None:
+    """The set's speedup at the mix, and by concurrency, into `mine`; the speedup at the first concurrency kept.
+    Where the servers ran in turn, the speedup at a concurrency is the paired one, and the mix weighs the tokens/s
+    it implies (the baseline's times it), so the speedups by concurrency and at the mix agree."""
     tok, base_tok = ({int(x): v for x, v in f["tokens_per_s_by_concurrency"].items()} for f in (mine, base))
+    tok = {x: base_tok[x] * paired[x] if x in paired and base_tok.get(x) else v for x, v in tok.items()}
     mine["speedup_by_concurrency"] = {str(x): round(tok[x] / base_tok[x], 4) if tok[x] and base_tok.get(x) else None
                                       for x in sorted(tok)}
     mine["speedup_at_first_concurrency"] = mine.get("speedup")
@@ -162,20 +170,30 @@ def _at_mix(mine: dict, base: dict, mix: dict, label: str, reporter) -> None:
 
 def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int, reporter,
              acceptance: bool = True) -> dict[str, dict]:
-    """Every server on the same requests, ROUND at a time in turn, the order rotating each round: a slow spell of
-    the host (the daemon's sensor ticks, other work) falls on all of them alike. Measured one after the other on 2
-    shared cores, the same drafter ran 22 % slower than its champion at the same acceptance length, and the gate
-    refused a challenger 21 % better on the new traffic for its speed."""
+    """Every server on the same requests, `c` at a time in turn, the order rotating each part: a slow spell of the
+    host (the daemon's sensor ticks, other work) falls on one server's part, and the speedup is the median of the
+    parts' ratios to the baseline (bench.paired_speedup), not the sums' ratio. Each server first serves one
+    unmeasured batch at this concurrency: a CPU backend builds its kernels for a new batch shape on first use.
+    Measured one after the other on 2 shared cores, the same drafter ran 22 % slower than its champion at the same
+    acceptance length, and the gate refused a challenger 21 % better on the new traffic for its speed."""
     labels = list(servers)
+    requests = at_load(requests, c, PARTS)  # a median needs parts
+    for srv in servers.values():
+        load.drive(srv.base_url, "target", requests[:c], 8, c)
     before = {label: engine.measure_start(srv) for label, srv in servers.items()}
-    step = max(ROUND, c)
-    rounds = [requests[i: i + step] for i in range(0, len(requests), step)]
-    got = drive_in_turn(servers, rounds, c, max_new, lambda label: f"{engine.NAME} ({label})",
-                        on_part=lambda r: reporter.log(f"{min(len(requests), (r + 1) * step)}/{len(requests)} "
-                                                       "requests on each server"))
+    parts = [requests[i: i + c] for i in range(0, len(requests), c)]
+    rates: dict[str, list[float]] = {}
+    got = drive_in_turn(servers, parts, c, max_new, lambda label: f"{engine.NAME} ({label})", part_rates=rates,
+                        on_part=lambda r: reporter.log(f"{min(len(requests), (r + 1) * c)}/{len(requests)} "
+                                                       "requests on each server") if (r + 1) % 4 == 0 else None)
     out = {}
     for label in labels:
         out[label] = load.summarize(*got[label])
         if acceptance and label != BASELINE:
             out[label].update(engine.acceptance(servers[label], before[label], k))
+        if label != BASELINE and BASELINE in rates:
+            out[label]["paired_speedup"] = paired_speedup(rates[label], rates[BASELINE])
+            reporter.log(f"{label} at {c} at once: {out[label]['paired_speedup']}x, the median of its batches' "
+                         "speedups " + ", ".join(f"{r / b:.2f}" if b else "-" for r, b in
+                                                  zip(rates[label], rates[BASELINE], strict=True)))
     return out
