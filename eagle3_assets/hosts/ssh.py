@@ -217,6 +217,15 @@ class SshGpuHost(GpuHost):
                 try:
                     launched = self._launch(conn, rundir, spec, info["code_dir"])
                 except Exception as e:  # launching again is safe: a job that did start is attached to
+                    link = conn.client.get_transport() if conn.client else None
+                    if isinstance(e, OSError) and link is not None and link.is_active():
+                        # the link is up and the host refused a write; SFTP names no cause ("Failure"), and a full
+                        # disk is the common one: say what the probe saw
+                        raise dg.Failure(description=(
+                            f"{self.where}: writing the job's files under {rundir} failed ({type(e).__name__}: {e}); "
+                            f"the disk of {info['disk']['path']} had {info['disk']['free_bytes'] / 1e6:,.1f} MB free a "
+                            "moment before: if it is full, free space there or point the host's workdir at a bigger "
+                            "disk; otherwise check that the SSH user may write there"), allow_retries=False) from e
                     if not is_link_error(e):
                         raise
                     conn.reconnect(self.reconnect_within_s)

@@ -89,7 +89,8 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
     engines = {s.name: s.engine for s in parsed.servers} if parsed else {}
 
     @dg.sensor(name="retrain_on_drift_sensor", jobs=[retrain_on_traffic_job, read_traffic_job],
-               minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
+               # a tick reads the event log only: a drift is answered within half a minute, not a whole one
+               minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.STOPPED,
                description="each new drift report starts retrain_on_traffic for its engine (off by default: GPU "
                            "work); one that gave up for too little traffic is retried when the traffic grows")
     def retrain_on_drift_sensor(context: dg.SensorEvaluationContext):

@@ -7,8 +7,10 @@ them; run by hand, output goes to the terminal and the result JSON to stdout.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -67,7 +69,14 @@ def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
     except StageError as e:
         reporter.error(str(e))
         return 2
-    except Exception as e:  # an unexpected bug: keep the traceback, but also say it in one line
+    except Exception as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # not a bug: the host's disk filled; say where
+            free = shutil.disk_usage(ns.workdir).free
+            reporter.error(f"{ns.stage} stopped: the disk of the work directory {ns.workdir} is full "
+                           f"({free / 1e6:,.1f} MB free; writing {e.filename or 'a file'} failed): free space there, "
+                           "or point the host's workdir at a bigger disk, and run again")
+            return 2
+        # an unexpected bug: keep the traceback, but also say it in one line
         reporter.error(f"{ns.stage} crashed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return 1
     return 0

@@ -1,6 +1,7 @@
 """The SSH host against a real OpenSSH server on 127.0.0.1: the same stages as the local host, through a
 dropped connection, a dead control plane, a killed worker, and the ways a host can be wrong."""
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from conftest import failure_text
+from conftest import failure_text, run_worker
 from eagle3_assets.hosts import SshGpuHost
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the helper modules (ssh_jobs.py) the jobs import
@@ -350,7 +351,8 @@ def test_other_worker_code_installed_on_host(built, sshd, tmp_path):
 
 def test_full_disk(built, sshd, tmp_path):
     """A work directory on a 1 MB filesystem: preflight refuses; and with the floor lowered, extraction
-    refuses before writing, from its own estimate of the shard's size."""
+    refuses before writing, from its own estimate of the shard's size. The host runs the installed worker code
+    (`code: installed`): an upload (~0.9 MB on a tmpfs, 105 files) would fill the disk before the stage starts."""
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
@@ -360,11 +362,28 @@ def test_full_disk(built, sshd, tmp_path):
         (small / "conversations").mkdir()
         conv = built.workdir / "conversations" / "conversations.parquet"
         (small / "conversations" / "conversations.parquet").write_bytes(conv.read_bytes())
-        host = ssh_host(sshd, small, min_free_gb=0.0)
+        host = ssh_host(sshd, small, min_free_gb=0.0, code="installed")
+        res = host_stage(built, host, "extract", {"target": target, "conversations": "conversations/conversations.parquet",
+                                                  "out_dir": "hidden_states", "shard": 0, "samples_per_shard": 3,
+                                                  "dtype": "float32", "storage": "native"})  # ~1.7 MB
+        assert "tokens of hidden states, but only" in res and "bigger disk" in res, res
+        # the disk fills up to the last byte (another job's output, say): the run says where and what to do, and
+        # a worker whose own write fails says the disk is full, not that it crashed
+        fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)  # a page at a time: not a byte is left
+        os.close(fd)
         res = host_stage(built, host, "extract", {"target": target, "conversations": "conversations/conversations.parquet",
                                                   "out_dir": "hidden_states", "shard": 0, "samples_per_shard": 3,
                                                   "dtype": "float32"})
-        assert "tokens of hidden states, but only" in res and "bigger disk" in res, res
+        assert "writing the job's files under" in res and "0.0 MB free" in res and "bigger disk" in res, res
+        done = run_worker(small, "extract", {"target": target, "conversations": "conversations/conversations.parquet",
+                                             "out_dir": "more_states", "shard": 0, "samples_per_shard": 3,
+                                             "dtype": "float32"})
+        assert done.returncode == 2 and "is full (0.0 MB free" in done.stderr and "bigger disk" in done.stderr, \
+            done.stderr[-2000:]
+        assert "crashed" not in done.stderr
     finally:
         subprocess.run(["umount", str(small)], check=False)
 

@@ -514,7 +514,7 @@ def test_a_planted_collapse_is_reported_as_a_collapse_within_one_window_and_star
             assert report["report"].startswith("**Collapse, not drift**: broken served")
             assert report["checkpoint"] == p.graph.data_version("eagle3_drafter")
             assert any(c["state"] == "collapse" and not c["passed"] for c in checks)
-            # the retraining sensor (a tick a minute) reads the report and skips it: its cursor moves past the report
+            # the retraining sensor (a tick every 30 s) reads the report and skips it: its cursor moves past the report
             seen = daemon.wait("the retraining sensor to read the collapse report", lambda: _cursor(
                 p.graph.instance, "retrain_on_drift_sensor").get("after", 0), lambda a: a >= report["storage_id"], 150)
             assert seen >= report["storage_id"]
