@@ -218,7 +218,7 @@ class SshGpuHost(GpuHost):
                     launched = self._launch(conn, rundir, spec, info["code_dir"])
                 except Exception as e:  # launching again is safe: a job that did start is attached to
                     link = conn.client.get_transport() if conn.client else None
-                    if isinstance(e, OSError) and link is not None and link.is_active():
+                    if type(e) is OSError and link is not None and link.is_active():  # not a timeout, not a reset
                         # the link is up and the host refused a write; SFTP names no cause ("Failure"), and a full
                         # disk is the common one: say what the probe saw
                         raise dg.Failure(description=(
