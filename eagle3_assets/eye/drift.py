@@ -28,6 +28,7 @@ from .servers_file import DriftSettings, Server, ServersFile, asset_key
 from .traffic import LOGS_ENV, traffic_partitions
 
 LIVE_CHECK = "live_acceptance_holds"
+RUN_KEY_TAG = "dagster/run_key"  # the run key a sensor's run carries (Dagster's own tag)
 DRIFT_TAG = "eagle3/drift"  # on every run a drift sensor starts: what it is about (a server, or a traffic day)
 REPLAY, REPORT, TRAFFIC = dg.AssetKey("traffic_acceptance"), dg.AssetKey("drift_report"), dg.AssetKey("traffic")
 
@@ -150,6 +151,17 @@ def report_request(instance: dg.DagsterInstance, server: Server, state: dict, se
                          run_config={"ops": ops}, tags={DRIFT_TAG: f"{'collapse' if collapse else 'live'}:{server.name}"})
 
 
+def unmade(instance: dg.DagsterInstance, before: dict, now: float, settings: DriftSettings) -> bool:
+    """Whether the report run requested last ended without its report (canceled, failed: a daemon stopped mid-run): a
+    drift that lasts is not reported twice, but one whose report was never made is reported again, once a window at
+    most (a report that keeps failing is not retried every tick)."""
+    key = before.get("report_key")
+    if not key or now - before.get("reported", 0) < settings.window_s:
+        return False
+    runs = instance.get_runs(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1)
+    return bool(runs) and runs[0].status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)
+
+
 def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[dg.AssetChecksDefinition]]:
     """The live drift sensor and its check on each server's live acceptance (none without a servers file), and the
     traffic drift sensor (always: it needs only traffic and a drafter)."""
@@ -199,9 +211,11 @@ def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[d
             judged = state["state"] if state["state"] != "unknown" else before.get("judged")
             again = settings.report_every_s and now - before.get("reported", 0) >= settings.report_every_s
             if state["state"] in ("drift", "collapse") and (before.get("judged") != state["state"] or
-                                                            state["drafter"] != before.get("drafter") or again):
-                requests.append(report_request(context.instance, s, state, settings, now))
-                before["reported"] = now
+                                                            state["drafter"] != before.get("drafter") or again or
+                                                            unmade(context.instance, before, now, settings)):
+                req = report_request(context.instance, s, state, settings, now)
+                requests.append(req)
+                before["reported"], before["report_key"] = now, req.run_key
             cursor[s.name] = {**before, "state": state["state"], "judged": judged,
                               "drafter": state["drafter"] or before.get("drafter")}
         return dg.SensorResult(run_requests=requests, asset_events=events, cursor=json.dumps(cursor))

@@ -33,6 +33,8 @@ from ..eye.traffic_days import read_traffic_job  # today's traffic read again wh
 from .retrain import TRAFFIC_READ_TAG, WAITING, RetrainDataConfig, traffic_prompts, traffic_read_config
 
 RETRAIN_TAG = "eagle3/retrain"
+# which drift report (its storage id in the event log) on which server a retraining answers: the run's lineage in the UI
+REPORT_TAG, SERVER_TAG = "eagle3/drift_report", "eagle3/drift_server"
 REPORT, RETRAIN_DATA, TRAFFIC = dg.AssetKey("drift_report"), dg.AssetKey("retrain_data"), dg.AssetKey("traffic")
 CONFIG_ENV = "EAGLE3_RETRAIN_CONFIG"  # a run-config YAML the sensor's retrainings run with (sizes, engine launch)
 LOOP = ["retrain_data", "retrain_conversations", "retrain_shards", "challenger_drafter", "challenger_export",
@@ -100,11 +102,12 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
         waiting, now, instance = cur.setdefault("waiting", {}), time.time(), context.instance
         requests, said, events = [], [], []
 
-        def retrain(engine: str, key: str) -> None:
+        def retrain(engine: str, key: str, report: int, server: str) -> None:
             config = run_config()
             requests.append(dg.RunRequest(run_key=key, job_name=retrain_on_traffic_job.name, partition_key=engine,
                                           run_config=config, asset_selection=selection(config),
-                                          tags={RETRAIN_TAG: engine}))
+                                          tags={RETRAIN_TAG: engine, REPORT_TAG: str(report),
+                                                SERVER_TAG: server or "(offline)"}))
 
         recs = instance.fetch_materializations(dg.AssetRecordsFilter(
             asset_key=REPORT, after_storage_id=cur.get("after")), limit=50, ascending=True).records
@@ -120,7 +123,7 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
             if active(instance, engine) or any(r.partition_key == engine for r in requests):
                 said.append(f"drift report {rec.storage_id}: a retraining for {engine} is queued or running")
                 continue
-            retrain(engine, f"drift-{rec.storage_id}")
+            retrain(engine, f"drift-{rec.storage_id}", rec.storage_id, server)
             waiting[engine] = {"report": rec.storage_id, "server": server, "at": rec.timestamp, "since": now}
 
         for engine, w in list(waiting.items()):
@@ -150,7 +153,7 @@ def build(parsed: ServersFile | None) -> dg.SensorDefinition:
             have = traffic_prompts(instance, day) or 0 if day else 0
             if day > tried["traffic_day"] or (day == tried["traffic_day"] and have > tried["traffic_prompts"]):
                 # the run key is the traffic seen: one retry per day and per growth, whatever the ticks
-                retrain(engine, f"drift-{w['report']}-retry-{day}-{have}")
+                retrain(engine, f"drift-{w['report']}-retry-{day}-{have}", w["report"], w["server"])
                 w.pop("tried")
                 w["since"] = now
                 continue

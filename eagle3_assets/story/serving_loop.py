@@ -87,13 +87,14 @@ class Loop:
             time.sleep(every_s)
         raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
-    def live(self, name: str, drafter: str, since: float) -> float | None:
-        """The acceptance length over every step the serving eye saw `name` make with `drafter` since `since`."""
-        obs = [o for o in served.observations(self.instance, name, since=since, limit=1000)
-               if o.get("drafter") == drafter and o.get("num_drafts")
-               and (o.get("status") == "ok" or str(o.get("status")).startswith("restarted"))]
-        drafts = sum(o["num_drafts"] for o in obs)
-        return 1 + sum(o["num_accepted_tokens"] for o in obs) / drafts if drafts else None
+    def live(self, name: str, drafter: str, since: float, until: float) -> float | None:
+        """The acceptance length over every step the serving eye saw `name` make with `drafter` since `since`, once it
+        has read the server at or after `until` (the last probe answered): None before, so a wait counts every probe,
+        not the first read's share of them."""
+        obs = served.observations(self.instance, name, since=since, limit=1000)
+        if not any(o["t"] >= until for o in obs):
+            return None
+        return served.window(obs, drafter, since)["acceptance_length"]
 
     def start(self, servers: list[dict], env: dict) -> None:
         (self.workdir / "servers.yaml").write_text(yaml.safe_dump({**EYE, "servers": servers}))
@@ -102,7 +103,14 @@ class Loop:
         self.daemon = start_daemon(self.env, self.workdir / "daemon.log", self.workspace, self.cwd)
 
     def stop(self) -> None:
+        """The daemon stopped with its run workers (its process group); a run its sensors started that had not ended
+        is marked canceled, so the next daemon on this instance neither retries nor launches it (the eye's sensor
+        reports a drift whose report was canceled again, if it still holds). Runs others launched are left alone."""
         stop_daemon(self.daemon)
+        for run in self.instance.get_runs(dg.RunsFilter(created_after=_utc(self.t0))):
+            if not run.is_finished and run.tags.get("dagster/sensor_name"):
+                self.instance.report_run_canceled(run, message="the serving-loop story ended: its daemon stopped")
+                self.log(f"canceled run {run.run_id[:8]} ({run.job_name}): the story's daemon stopped before it ended")
 
 
 def _healthy(url: str) -> bool:
@@ -187,7 +195,8 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
         t = t_probes = time.time()
         for text in probes:
             gw.send(text, log=False)
-        story.before = loop.wait("the live figures before", lambda: loop.live(name, champ["export_path"], t), 90)
+        done = time.time()  # every probe answered: the eye's next read counts them all
+        story.before = loop.wait("the live figures before", lambda: loop.live(name, champ["export_path"], t, done), 90)
         loop.mark(f"live acceptance on {len(probes)} prompts of the new kind kept out of the traffic: {story.before:.3f}")
         gw.max_tokens = 8  # the day's traffic: its prompts are what the retraining learns from
         t_change = time.time()
@@ -198,9 +207,10 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
         loop.cli("dagster", "asset", "materialize", "--select", "traffic", "--partition", day, location=False)
         loop.mark(f"traffic {day} read and redacted")
         # the probes are of the new kind too: the live signal may report the drift from them, before the day's
-        # traffic is sent (a lasting drift is not reported twice), so any report since the probes is this drift's
+        # traffic is sent, so any report since the probes is this drift's; and a lasting drift is not reported twice,
+        # so one the eye reported on this server's champion since its promotion (the last turn's probes) still stands
         loop.wait("a drift report", lambda: [r for r in inst.fetch_materializations(
-            dg.AssetKey("drift_report"), limit=5).records if r.timestamp >= t_probes], 600)
+            dg.AssetKey("drift_report"), limit=5).records if r.timestamp >= t_probes or open_on(r, name, champ)], 600)
         loop.mark("drift reported")
         loop.cli("dagster", "sensor", "start", "retrain_on_drift_sensor")
         try:
@@ -222,13 +232,20 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
             t = time.time()
             for text in probes:
                 gw.send(text, log=False)
-            story.after = loop.wait("the live figures after", lambda: loop.live(name, new, t), 90)
+            done = time.time()
+            story.after = loop.wait("the live figures after", lambda: loop.live(name, new, t, done), 90)
             loop.mark(f"live acceptance on the same probes, {story.production['version'][:12]} serving: "
                       f"{story.after:.3f} (before {story.before:.3f})")
     finally:
         loop.stop()
         story.marks = loop.marks
     return story
+
+
+def open_on(rec: dg.EventLogRecord, server: str, champ: dict) -> bool:
+    """A drift report the eye made on `server` about the champion since its promotion: a drift still open."""
+    m = served.meta(rec)
+    return m.get("server") == server and m.get("checkpoint") == champ["version"] and rec.timestamp >= champ["when"]
 
 
 def _utc(t: float):

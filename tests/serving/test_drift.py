@@ -288,6 +288,48 @@ def test_the_live_sensor_reports_a_collapse_within_one_window_without_replaying_
         assert not again.run_requests  # a lasting collapse is not a report a tick
 
 
+def test_a_drift_whose_report_run_was_canceled_is_reported_again_once_a_window():
+    """A daemon stopped mid-report (its run canceled) leaves a lasting drift unreported: the live sensor reports it
+    again, but not before a window has passed since it asked (a report that keeps failing is not asked for a tick)."""
+    from dagster._core.test_utils import create_run_for_test  # a run record as the daemon would have left it
+
+    from eagle3_assets.eye import drift
+    from eagle3_assets.eye.servers_file import ServersFile
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1", "drafter": "/d",
+                                                      "benchmark_acceptance_length": 2.0}],
+                                         "drift": {"window_s": 60, "min_drafts": 100, "locate": False}})
+    sensor = next(s for s in drift.build(parsed)[0] if s.name == "live_drift_sensor")
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/d", 1.4, 150)
+        got = sensor(dg.build_sensor_context(instance=instance))
+        (req,), cursor = got.run_requests, json.loads(got.cursor)
+        assert req.run_config["ops"]["drift_report"]["config"]["signal"] == "live"
+        run = create_run_for_test(instance, job_name="report_drift", tags={drift.RUN_KEY_TAG: req.run_key})
+        instance.report_run_canceled(run, message="the daemon stopped")
+        assert not sensor(dg.build_sensor_context(instance=instance, cursor=json.dumps(cursor))).run_requests
+        cursor["prod"]["reported"] -= 61  # a window later
+        (again,) = sensor(dg.build_sensor_context(instance=instance, cursor=json.dumps(cursor))).run_requests
+        assert again.run_config["ops"]["drift_report"]["config"]["signal"] == "live"
+        create_run_for_test(instance, job_name="report_drift", tags={drift.RUN_KEY_TAG: again.run_key},
+                            status=dg.DagsterRunStatus.SUCCESS)
+        cursor["prod"].update(report_key=again.run_key, reported=cursor["prod"]["reported"] - 61)
+        assert not sensor(dg.build_sensor_context(instance=instance, cursor=json.dumps(cursor))).run_requests  # made
+
+
+def test_a_retraining_names_the_drift_report_and_server_it_answers():
+    from eagle3_assets.eye.servers_file import ServersFile
+    from eagle3_assets.loop import on_drift as loop
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "a", "url": "http://127.0.0.1:1", "engine": "vllm"}]})
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={
+            "server": "a", "signal": "live"}))
+        rec = instance.fetch_materializations(dg.AssetKey("drift_report"), limit=1).records[0]
+        (req,) = loop.build(parsed)(dg.build_sensor_context(instance=instance)).run_requests
+        assert req.tags == {loop.RETRAIN_TAG: "vllm", loop.REPORT_TAG: str(rec.storage_id), loop.SERVER_TAG: "a"}
+
+
 def test_the_acceptance_production_served_locates_the_fall_per_request_without_a_replay(drifted_day, monkeypatch):
     """The day's traffic holds what vLLM served each request: the report names the new kind from those figures
     alone, cut by the gateway field the team named too, and the live sensor's report run asks no replay of the host."""
