@@ -206,14 +206,16 @@ def run(home: Path, workdir: Path, *, log: Callable[[str], None] = print, name: 
         day = dg.DailyPartitionsDefinition(start_date="2026-01-01", end_offset=1).get_last_partition_key()
         loop.cli("dagster", "asset", "materialize", "--select", "traffic", "--partition", day, location=False)
         loop.mark(f"traffic {day} read and redacted")
-        # the probes are of the new kind too: the live signal may report the drift from them, before the day's
-        # traffic is sent, so any report since the probes is this drift's; and a lasting drift is not reported twice,
-        # so one the eye reported on this server's champion since its promotion (the last turn's probes) still stands
-        loop.wait("a drift report", lambda: [r for r in inst.fetch_materializations(
-            dg.AssetKey("drift_report"), limit=5).records if r.timestamp >= t_probes or open_on(r, name, champ)], 600)
-        loop.mark("drift reported")
+        # the team's switch, on once the day's traffic is read (a retraining reads the traffic there is when it runs)
         loop.cli("dagster", "sensor", "start", "retrain_on_drift_sensor")
         try:
+            # the probes are of the new kind too: the live signal may report the drift from them, before the day's
+            # traffic is sent, so any report since the probes is this drift's; and a lasting drift is not reported
+            # twice, so one the eye made on this server's champion since its promotion (the last turn's) still stands
+            loop.wait("a drift report", lambda: [r for r in inst.fetch_materializations(
+                dg.AssetKey("drift_report"), limit=5).records if r.timestamp >= t_probes or open_on(r, name, champ)],
+                600)
+            loop.mark("drift reported")
             runs = loop.wait("the retraining to start", lambda: inst.get_runs(dg.RunsFilter(
                 tags={"eagle3/retrain": ENGINE}, created_after=_utc(t_change))), 600)
         finally:

@@ -115,6 +115,7 @@ def test_a_retraining_that_gave_up_is_retried_once_when_the_traffic_grows_never_
     lp.send(8)
     lp.read_traffic()
     lp.instance.report_runless_asset_event(dg.AssetMaterialization("drift_report", metadata={"server": "prod"}))
+    lp.report_id = lp.instance.fetch_materializations(dg.AssetKey("drift_report"), limit=1).records[0].storage_id
     failed = lp.retrain(lp.tick().run_requests[0])
     assert not failed.success and lp.prompts() == 8
 
@@ -134,7 +135,9 @@ def test_a_retraining_that_gave_up_is_retried_once_when_the_traffic_grows_never_
     lp.read_traffic(read.tags, read.run_config)
     retry = lp.tick().run_requests
     assert [r.job_name for r in retry] == ["retrain_on_traffic"] and retry[0].run_key.endswith(f"{lp.today}-48")
-    assert retry[0].tags == {on_drift.RETRAIN_TAG: "vllm"}
+    # the retry answers the same report, on the same server, as the first retraining did
+    assert retry[0].tags == {on_drift.RETRAIN_TAG: "vllm", on_drift.REPORT_TAG: str(lp.report_id),
+                             on_drift.SERVER_TAG: "prod"}
     assert not lp.tick().run_requests  # once per growth, while it is queued
     assert lp.retrain(retry[0]).success
     answered = lp.tick()
