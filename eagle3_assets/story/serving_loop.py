@@ -92,7 +92,8 @@ class Loop:
         has read the server at or after `until` (the last probe answered): None before, so a wait counts every probe,
         not the first read's share of them."""
         obs = served.observations(self.instance, name, since=since, limit=1000)
-        if not any(o["t"] >= until for o in obs):
+        # an observation is stored as its tick ends, a moment after it read the server: 2 s covers that lag
+        if not any(o["t"] >= until + 2 for o in obs):
             return None
         return served.window(obs, drafter, since)["acceptance_length"]
 
