@@ -12,6 +12,7 @@ in acceptance measured 0.8 % faster and was refused when the gate asked for a sp
 production_drafter (per engine) records each decision (production.py): promoted by the gate (it runs only once the
 gate's checks pass), promoted by hand, rolled back."""
 
+from pathlib import PurePosixPath
 from typing import Literal
 
 import dagster as dg
@@ -105,7 +106,9 @@ def promotion_gate(context: dg.AssetExecutionContext, config: PromotionGateConfi
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
         "drafters": {"champion": champ["export_path"], "challenger": chall[f"{engine}_path"]},
         "prompt_sets": {"traffic": split["heldout"], "eval": EVAL}, "out_dir": f"gate/{engine}",
-        **config.model_dump(exclude=GATE_ONLY), "load_mix": mix})
+        **config.model_dump(exclude=GATE_ONLY), "load_mix": mix,
+        # the challenger's schedule from the same batches, beside its export: challenger_schedule's `source: gate`
+        "schedule_of": "challenger", "schedule_dir": str(PurePosixPath(chall[f"{engine}_path"]).parent / f"{engine}-launch")})
     figures = run.result["figures"]
     checks = verdict(figures, config.margin, config.eval_tolerance, config.speed_tolerance)
     passed = all(ok for ok, _ in checks.values())

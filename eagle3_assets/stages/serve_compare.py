@@ -36,6 +36,11 @@ class ServeCompareArgs(Args, ServeCompareSettings):
     drafters: dict[str, str] = Field(min_length=1, description="label -> exported drafter (the engine's dialect)")
     prompt_sets: dict[str, str] = Field(min_length=1, description="name -> prompts (Parquet)")
     out_dir: str = Field(description="the servers' logs and the requests' outputs")
+    schedule_of: str | None = Field(default=None, description="a drafter's label: its speculation schedule by load is "
+                                    "also chosen from these batches (the first set's tokens/s at each concurrency "
+                                    "measured, against the target alone's) and written into schedule_dir")
+    schedule_dir: str | None = Field(default=None, description="where that schedule's files go (the load_curve "
+                                     "stage's: the launch files and load_curve.json)")
 
 
 class ServeCompareResult(Result):

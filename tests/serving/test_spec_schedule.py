@@ -193,3 +193,55 @@ def test_a_drafter_the_loop_promoted_is_served_with_its_challengers_schedule():
         assert none is None and f"no speculation_schedule on vllm was measured for checkpoint {'d' * 12}" in why
         assert schedule_for(instance, "sglang", "a" * 32) == (None, "no speculation_schedule on sglang: materialize it "
                                                                     "(job measure_schedule) for this checkpoint")
+
+
+def test_the_gates_batches_give_the_challengers_schedule_and_no_server_starts(tmp_path):
+    """challenger_schedule `source: gate`: the schedule the gate chose from its own batches (the target alone's tokens/s
+    at each concurrency of the load mix, the challenger's paired speedup there), written beside the export as a sweep's
+    is, recorded for the checkpoint the gate judged, and refused for any other."""
+    from types import SimpleNamespace
+
+    import dagster as dg
+
+    from eagle3_assets.assets.speculation_schedule import schedule_for
+    from eagle3_assets.loop.challenger_schedule import from_gate
+    from eagle3_assets.worker.serving.compare import schedule_from_batches
+
+    export = tmp_path / "exports" / "cafe" / "vllm"
+    export.mkdir(parents=True)
+    figures = {"baseline": {"traffic": {"output_tokens_per_s": 30.0, "tokens_per_s_by_concurrency": {"1": 30.0,
+                                                                                                   "4": 100.0}}},
+               "challenger": {"traffic": {"speedup": 1.5, "speedup_by_concurrency": {"1": 1.6, "4": 0.85}}}}
+    args = SimpleNamespace(schedule_of="challenger", schedule_dir="exports/cafe/vllm-launch", baseline=True,
+                           extra_args=["--max-num-seqs", "64"])
+    logged = []
+    meta = schedule_from_batches(args, str(tmp_path), {"challenger": export}, figures, "traffic", 1, 3,
+                                 {"engine": "vllm", "engine_version": "0.x"}, SimpleNamespace(log=logged.append))
+    # drafting pays alone (1.6x) and loses at 4 (0.85x): k = 3 for one request, none from 2 on, to the batch limit
+    assert meta["schedule"] == [[1, 1, 3], [2, 64, 0]] and meta["ks"] == [0, 3] and meta["grid"] == [1, 4]
+    assert meta["curve"]["3"] == {"1": pytest.approx(48.0), "4": pytest.approx(85.0)}
+    launch = tmp_path / "exports" / "cafe" / "vllm-launch"
+    cfg = json.loads((launch / "speculative_config.vllm.json").read_text())
+    assert cfg["model"] == str(export) and cfg["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 64, 0]]
+    assert json.loads((launch / "load_curve.json").read_text())["schedule_text"] == meta["schedule_text"]
+    assert any("from these batches" in line for line in logged)
+    # without the target alone there is nothing to choose from: said, no file
+    assert schedule_from_batches(SimpleNamespace(**{**vars(args), "baseline": False}), str(tmp_path),
+                                 {"challenger": export}, figures, "traffic", 1, 3, {}, SimpleNamespace(
+                                     log=logged.append)) is None and "baseline" in logged[-1]
+    # nor without one request alone (a gate first measured at 2): the gate's verdict stands, the sweep is named
+    at2 = {"baseline": {"traffic": {"output_tokens_per_s": 50.0}}, "challenger": {"traffic": {"speedup": 1.2}}}
+    assert schedule_from_batches(args, str(tmp_path), {"challenger": export}, at2, "traffic", 2, 3, {},
+                                 SimpleNamespace(log=logged.append)) is None and "sweep" in logged[-1]
+
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
+            "challenger": "c" * 32, "schedule_from_batches": dg.MetadataValue.json(meta)}))
+        got = from_gate(instance, "vllm", "c" * 32)
+        instance.report_runless_asset_event(dg.AssetMaterialization("challenger_schedule", partition="vllm",
+                                                                    metadata=got.metadata))
+        sched, _ = schedule_for(instance, "vllm", "c" * 32)
+        assert sched["schedule_text"] == "1-1: k=3, 2-64: off" and sched["path"] == str(launch)
+        assert "k=3" in sched["table_md"] and sched["measured_by"].startswith("the promotion gate's batches")
+        with pytest.raises(dg.Failure, match=f"judged {'c' * 12}, not {'d' * 12}.*source: sweep"):
+            from_gate(instance, "vllm", "d" * 32)

@@ -25,12 +25,14 @@ from ..files import require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
 from .bench import at_load, drive_in_turn, measure, paired_speedup, start_together
+from .load_curve import batch_limit, write_schedule
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_compare import ServeCompareArgs
 
 PARTS = 3  # batches of `c` requests each server serves at least, in turn, when the servers run together (_in_turn)
 BASELINE = "baseline"
+TOLERANCE = 0.03  # the load_curve stage's default: a k kept from the concurrency below while within 3 %
 
 
 def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
@@ -135,15 +137,52 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
             if mix:
                 _at_mix(figures[label][mix_set], figures[BASELINE][mix_set], mix, label, reporter,
                         {x: v for (name, x), v in paired[label].items() if name == mix_set and v})
+    about = {"engine": engine.NAME, "engine_version": info["version"], **dtype_info}
+    sched = schedule_from_batches(args, workdir, drafters, figures, mix_set, c, k, about, reporter)
     meta = {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
             "max_new_tokens": max_new, "concurrency": c, "figures": figures,
             **({"load_mix": {str(x): v for x, v in mix.items()}, "load_mix_set": mix_set} if mix else {}),
             "path": str(out_dir),
             "wall_s": round(time.monotonic() - t0, 1), **dtype_info,
             **{f"{label}_{name}_{key}": v for label, per in figures.items() for name, f in per.items()
-               for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None}}
+               for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None},
+            **({"schedule_of": args.schedule_of, "schedule_from_batches": sched} if sched else {})}
     reporter.materialize(metadata=meta)
     reporter.result(meta)
+
+
+def schedule_from_batches(args, workdir: str, drafters: dict, figures: dict, mix_set: str, c: int, k: int,
+                          about: dict, reporter) -> dict | None:
+    """The schedule of the drafter labelled `schedule_of`, from the batches served here: on the first set, the target
+    alone's tokens/s at each concurrency measured and the drafter's (the baseline's times its paired speedup there),
+    its k against none; written as the load_curve stage writes a sweep's. No server starts for it: a sweep measures
+    every k up to the deepest on a grid of its own, this only the gate's concurrencies and the served k."""
+    label = args.schedule_of
+    if not label:
+        return None
+    if label not in drafters or not args.schedule_dir:
+        raise StageError(f"schedule_of {label!r} names no drafter here ({', '.join(drafters)}), or no schedule_dir")
+    if not args.baseline:
+        reporter.log("no schedule from these batches: the target alone (baseline) was not measured")
+        return None
+    base, mine = figures[BASELINE][mix_set], figures[label][mix_set]
+    base_tok = {int(x): v for x, v in (base.get("tokens_per_s_by_concurrency")
+                                       or {str(c): base["output_tokens_per_s"]}).items()}
+    speedup = {int(x): v for x, v in (mine.get("speedup_by_concurrency") or {str(c): mine.get("speedup")}).items()}
+    if not all(base_tok.get(x) and speedup.get(x) for x in base_tok) or 1 not in base_tok:
+        # a schedule starts at one request alone; the gate's verdict stands without one
+        reporter.log(f"no schedule from these batches: measured at {sorted(base_tok)}, speedups {speedup} (one "
+                     "request alone is needed, each with a speedup): challenger_schedule's sweep measures one")
+        return None
+    curve = {0: base_tok, k: {x: base_tok[x] * speedup[x] for x in base_tok}}
+    out = resolve(workdir, args.schedule_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _, max_batch = batch_limit(list(args.extra_args or []), 1 << 30)
+    meta = write_schedule(out, str(drafters[label]), curve, max_batch, TOLERANCE, None,
+                          {**about, "measured_by": "the promotion gate's batches (serve_compare), at its concurrencies "
+                                                   f"and k={k}: no sweep"})
+    reporter.log(f"{label}'s schedule from these batches: {meta['schedule_text']}")
+    return meta
 
 
 def _keep(figures: dict, label: str, name: str, got: dict, reporter) -> None:

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
@@ -105,25 +106,37 @@ def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
             for c in grid:
                 reporter.log(_point_line(c, table))
     curve = {k: {c: table[k][c]["output_tokens_per_s"] for c in grid} for k in ks}
-    schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=float(args.tolerance))
-    vllm_cfg = spec_schedule.vllm_config("eagle3", str(drafter), schedule)
+    tpot = {k: {c: table[k][c].get("tpot_ms_mean") for c in grid} for k in ks}
+    meta = write_schedule(out_dir, str(drafter), curve, max_batch, float(args.tolerance), tpot,
+                          {"engine": engine.NAME, "engine_version": info["version"], **dtype_info,
+                           "wall_s": round(time.monotonic() - t0, 1)})
+    reporter.log(f"schedule: {meta['schedule_text']} ({meta['wall_s']:.0f} s)")
+    reporter.materialize(metadata=meta)
+    reporter.result(meta)
+
+
+def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float]], max_batch: int, tolerance: float,
+                   tpot: dict[int, dict[int, float | None]] | None, about: dict) -> dict:
+    """The schedule chosen from a load curve ({k: {concurrency: output tokens/s}}, k = 0 the target alone), its
+    launch files in each engine's form and load_curve.json written into `out_dir`; the metadata (with `about`: the
+    engine, its version, the host's processor and dtype). Also the promotion gate's, from its own batches."""
+    ks, grid = sorted(curve), sorted(curve[0])
+    schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=tolerance)
     files = {}
-    if vllm_cfg:
+    if vllm_cfg := spec_schedule.vllm_config("eagle3", drafter, schedule):
         files["vllm_speculative_config"] = _write(out_dir / "speculative_config.vllm.json", spec_schedule.dumps(vllm_cfg))
     files["sglang_adaptive_config"] = _write(out_dir / "adaptive.sglang.json",
                                              json.dumps(spec_schedule.sglang_adaptive_config(schedule), indent=1))
     for r in choice_rows:
-        r["tpot_ms"] = {k: table[k][r["concurrency"]].get("tpot_ms_mean") for k in ks}
-    meta = {"engine": engine.NAME, "engine_version": info["version"], **dtype_info, "grid": grid, "ks": ks,
+        r["tpot_ms"] = {k: (tpot or {}).get(k, {}).get(r["concurrency"]) for k in ks}
+    meta = {**about, "grid": grid, "ks": ks,
             "schedule": [list(r) for r in schedule], "schedule_text": spec_schedule.describe(schedule),
             "curve": {str(k): {str(c): v for c, v in row.items()} for k, row in curve.items()},
-            "table": choice_rows, "max_batch": max_batch, "tolerance": float(args.tolerance),
-            "path": str(out_dir), "wall_s": round(time.monotonic() - t0, 1), **files,
+            "table": choice_rows, "max_batch": max_batch, "tolerance": tolerance,
+            "path": str(out_dir), **files,
             "speedup_at_1": choice_rows[0]["speedup"], f"speedup_at_{grid[-1]}": choice_rows[-1]["speedup"]}
     _write(out_dir / "load_curve.json", json.dumps(meta, indent=1, default=str))
-    reporter.log(f"schedule: {meta['schedule_text']} ({meta['wall_s']:.0f} s)")
-    reporter.materialize(metadata=meta)
-    reporter.result(meta)
+    return meta
 
 
 def _requests(prompts: list, c: int, args) -> list:
