@@ -207,8 +207,11 @@ def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[d
                     context.log.warning(f"{s.name}: its live acceptance has not been judged for {unjudged / 60:.0f} "
                                         f"min: {state['why']}")
             before["long_blind"] = long_blind
-            # the last verdict judged: a window too thin to judge (traffic paused) neither ends a drift nor starts one
-            judged = state["state"] if state["state"] != "unknown" else before.get("judged")
+            # the last verdict judged: a window too thin to judge (traffic paused) neither ends a drift nor starts one;
+            # but a verdict on the drafter before is none on this one (a rollout's first windows are thin): carried
+            # over, the new drafter's own drift would read as the old one lasting, and never be reported
+            switched = bool(state["drafter"]) and state["drafter"] != before.get("drafter")
+            judged = state["state"] if state["state"] != "unknown" else None if switched else before.get("judged")
             again = settings.report_every_s and now - before.get("reported", 0) >= settings.report_every_s
             if state["state"] in ("drift", "collapse") and (before.get("judged") != state["state"] or
                                                             state["drafter"] != before.get("drafter") or again or

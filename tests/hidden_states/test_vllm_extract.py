@@ -496,7 +496,7 @@ def test_a_drafter_trained_online_from_vllm_matches_one_trained_offline_and_writ
     target = built.latest("target_model")["path"]
     shards = sorted(str(p.relative_to(built.workdir)) for p in (built.workdir / "hidden_states").glob("shard-*"))
     base = {"target": target, "eval_shards": ["hidden_states/shard-00001"], "vocab": "vocab/vocab_mapping.safetensors",
-            "epochs": 3, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 1, "resume": False}
+            "epochs": 2, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 1, "resume": False}
     off = run_worker(built.workdir, "train", {**base, "shards": shards, "out": str(tmp_path / "offline")})
     assert off.returncode == 0, off.stderr[-3000:]
     before = {p for p in built.workdir.rglob("*") if p.is_file()}

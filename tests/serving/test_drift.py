@@ -288,18 +288,25 @@ def test_the_live_sensor_reports_a_collapse_within_one_window_without_replaying_
         assert not again.run_requests  # a lasting collapse is not a report a tick
 
 
+def _live_sensor(**server):
+    """The live drift sensor of one server `prod` held to a benchmark of 2.0, judged over 60 s windows of 100 steps."""
+    from eagle3_assets.eye import drift
+    from eagle3_assets.eye.servers_file import ServersFile
+
+    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1",
+                                                      "benchmark_acceptance_length": 2.0, **server}],
+                                         "drift": {"window_s": 60, "min_drafts": 100, "locate": False}})
+    return next(s for s in drift.build(parsed)[0] if s.name == "live_drift_sensor")
+
+
 def test_a_drift_whose_report_run_was_canceled_is_reported_again_once_a_window():
     """A daemon stopped mid-report (its run canceled) leaves a lasting drift unreported: the live sensor reports it
     again, but not before a window has passed since it asked (a report that keeps failing is not asked for a tick)."""
     from dagster._core.test_utils import create_run_for_test  # a run record as the daemon would have left it
 
     from eagle3_assets.eye import drift
-    from eagle3_assets.eye.servers_file import ServersFile
 
-    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1", "drafter": "/d",
-                                                      "benchmark_acceptance_length": 2.0}],
-                                         "drift": {"window_s": 60, "min_drafts": 100, "locate": False}})
-    sensor = next(s for s in drift.build(parsed)[0] if s.name == "live_drift_sensor")
+    sensor = _live_sensor(drafter="/d")
     with dg.instance_for_test() as instance:
         _observe(instance, "/d", 1.4, 150)
         got = sensor(dg.build_sensor_context(instance=instance))
@@ -315,6 +322,24 @@ def test_a_drift_whose_report_run_was_canceled_is_reported_again_once_a_window()
                             status=dg.DagsterRunStatus.SUCCESS)
         cursor["prod"].update(report_key=again.run_key, reported=cursor["prod"]["reported"] - 61)
         assert not sensor(dg.build_sensor_context(instance=instance, cursor=json.dumps(cursor))).run_requests  # made
+
+
+def test_a_drift_on_the_drafter_rolled_out_is_reported_though_the_one_before_had_drifted_too():
+    """The old drafter drifted and was reported; the rollout's first windows of the new one are too thin to judge;
+    then the new drafter drifts too: that is its own drift, reported, not the old one lasting (the loop's second turn
+    stalled on it: no report, no retraining)."""
+    sensor = _live_sensor()
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/old", 1.4, 150)
+        got = sensor(dg.build_sensor_context(instance=instance))
+        (old,) = got.run_requests
+        assert old.run_config["ops"]["drift_report"]["config"]["drafter"] == "/old"
+        _observe(instance, "/new", 1.3, 40)  # the rollout: a thin window, not judged
+        thin = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor))
+        assert not thin.run_requests and json.loads(thin.cursor)["prod"]["state"] == "unknown"
+        _observe(instance, "/new", 1.3, 150)
+        (new,) = sensor(dg.build_sensor_context(instance=instance, cursor=thin.cursor)).run_requests
+        assert new.run_config["ops"]["drift_report"]["config"]["drafter"] == "/new"
 
 
 def test_a_retraining_names_the_drift_report_and_server_it_answers():
