@@ -7,7 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
+
+import dagster as dg
+
+# Dagster's own run tags (dagster._core.storage.tags): whether the run-retry daemon retries a failed run, and the retry
+WILL_RETRY_TAG, RETRIED_BY_TAG = "dagster/will_retry", "dagster/auto_retry_run_id"
 
 
 def start_daemon(env: dict, log: Path, workspace: Path | None = None, cwd: Path | None = None) -> subprocess.Popen:
@@ -25,3 +32,19 @@ def stop_daemon(proc: subprocess.Popen | None) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def settle_runs(instance: dg.DagsterInstance, since: float, log: Callable[[str], None] = print) -> None:
+    """After its daemon stopped: the runs its sensors started since `since` that had not ended are marked canceled,
+    and those the stop failed (a run worker killed mid-run fails, marked for retry) are not retried, so the next
+    daemon on this instance neither launches nor retries them. Runs others launched are left alone."""
+    for run in instance.get_runs(dg.RunsFilter(created_after=datetime.fromtimestamp(since, tz=timezone.utc))):
+        if not run.tags.get("dagster/sensor_name"):
+            continue
+        if not run.is_finished:
+            instance.report_run_canceled(run, message="the story ended: its daemon stopped")
+            log(f"canceled run {run.run_id[:8]} ({run.job_name}): the story's daemon stopped before it ended")
+        elif run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true" \
+                and not run.tags.get(RETRIED_BY_TAG):
+            instance.add_run_tags(run.run_id, {WILL_RETRY_TAG: "false"})
+            log(f"run {run.run_id[:8]} ({run.job_name}) failed as the story's daemon stopped: not retried")

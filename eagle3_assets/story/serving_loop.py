@@ -29,7 +29,7 @@ import yaml
 from ..common.ports import free_port
 from ..eye import served
 from ..loop import production
-from .daemon import start_daemon, stop_daemon
+from .daemon import settle_runs, start_daemon, stop_daemon
 from .gateway import OTHER_LANGUAGES, Gateway, other_language_prompts
 
 ENGINE = "vllm"
@@ -105,13 +105,11 @@ class Loop:
 
     def stop(self) -> None:
         """The daemon stopped with its run workers (its process group); a run its sensors started that had not ended
-        is marked canceled, so the next daemon on this instance neither retries nor launches it (the eye's sensor
-        reports a drift whose report was canceled again, if it still holds). Runs others launched are left alone."""
+        is marked canceled, and one the stop failed is not retried, so the next daemon on this instance neither
+        launches nor retries it (the eye's sensor reports a drift whose report was not made again, if it still
+        holds: a retried report would start a retraining there). Runs others launched are left alone."""
         stop_daemon(self.daemon)
-        for run in self.instance.get_runs(dg.RunsFilter(created_after=_utc(self.t0))):
-            if not run.is_finished and run.tags.get("dagster/sensor_name"):
-                self.instance.report_run_canceled(run, message="the serving-loop story ended: its daemon stopped")
-                self.log(f"canceled run {run.run_id[:8]} ({run.job_name}): the story's daemon stopped before it ended")
+        settle_runs(self.instance, self.t0, self.log)
 
 
 def _healthy(url: str) -> bool:

@@ -342,6 +342,35 @@ def test_a_drift_on_the_drafter_rolled_out_is_reported_though_the_one_before_had
         assert new.run_config["ops"]["drift_report"]["config"]["drafter"] == "/new"
 
 
+def test_a_stopped_daemons_runs_are_neither_launched_nor_retried_by_the_next():
+    """A story's daemon stopped with its run workers: the run the stop killed fails marked for retry, and the next
+    daemon on the instance would retry it (CI: a drift report on the loop's server, retried in the collapse test,
+    started a retraining there that took the CPU from it). Its unfinished runs are canceled, its failed ones not
+    retried; a run already retried, or one no sensor started, is left as it is."""
+    from dagster._core.test_utils import create_run_for_test
+
+    from eagle3_assets.story.daemon import WILL_RETRY_TAG, settle_runs
+
+    sensor = {"dagster/sensor_name": "live_drift_sensor"}
+    with dg.instance_for_test() as instance:
+        t0 = time.time() - 1
+        running = create_run_for_test(instance, job_name="report_drift", tags=sensor,
+                                     status=dg.DagsterRunStatus.STARTED)
+        killed = create_run_for_test(instance, job_name="report_drift", tags={**sensor, WILL_RETRY_TAG: "true"},
+                                     status=dg.DagsterRunStatus.FAILURE)
+        retried = create_run_for_test(instance, job_name="report_drift", status=dg.DagsterRunStatus.FAILURE, tags={
+            **sensor, WILL_RETRY_TAG: "true", "dagster/auto_retry_run_id": "x"})
+        by_hand = create_run_for_test(instance, job_name="retrain_on_traffic", tags={WILL_RETRY_TAG: "true"},
+                                      status=dg.DagsterRunStatus.FAILURE)
+        said = []
+        settle_runs(instance, t0, said.append)
+        get = instance.get_run_by_id
+        assert get(running.run_id).status == dg.DagsterRunStatus.CANCELED
+        assert get(killed.run_id).tags[WILL_RETRY_TAG] == "false"
+        assert get(retried.run_id).tags[WILL_RETRY_TAG] == get(by_hand.run_id).tags[WILL_RETRY_TAG] == "true"
+        assert len(said) == 2 and any("not retried" in line for line in said)
+
+
 def test_a_retraining_names_the_drift_report_and_server_it_answers():
     from eagle3_assets.eye.servers_file import ServersFile
     from eagle3_assets.loop import on_drift as loop

@@ -30,6 +30,7 @@ from eagle3_assets.eye.live_acceptance import asset_key
 from eagle3_assets.loop import production as record
 from eagle3_assets.sources.redact import KINDS
 from eagle3_assets.story import serving_loop
+from eagle3_assets.story.daemon import settle_runs
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, Gateway, chat_prompts
 from eagle3_assets.worker.engines import vllm
 from eagle3_assets.worker.engines.server import EngineServer, free_port
@@ -109,6 +110,7 @@ class Daemon:
         (p.root / "servers.yaml").write_text(yaml.safe_dump(servers))
         self.env = {**os.environ, "DAGSTER_HOME": str(p.home), "EAGLE3_SERVERS": str(p.root / "servers.yaml"),
                     "EAGLE3_HOST_WORKDIR": str(p.graph.workdir), **env}
+        self.t0 = time.time()
         self.proc = start_daemon(self.env, p.root / "daemon.log")
         self.instance = p.graph.instance
 
@@ -146,6 +148,7 @@ class Daemon:
 
     def stop(self):
         stop_daemon(self.proc)
+        settle_runs(self.instance, self.t0)  # nothing it left half-run is launched or retried by the next test's
 
 
 def _cursor(instance, sensor: str) -> dict:
