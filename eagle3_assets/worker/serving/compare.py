@@ -139,14 +139,14 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                         {x: v for (name, x), v in paired[label].items() if name == mix_set and v})
     about = {"engine": engine.NAME, "engine_version": info["version"], **dtype_info}
     sched = schedule_from_batches(args, workdir, drafters, figures, mix_set, c, k, about, reporter)
-    meta = {"engine": engine.NAME, "engine_version": info["version"], "num_speculative_tokens": k,
+    meta = {**about, "num_speculative_tokens": k,
             "max_new_tokens": max_new, "concurrency": c, "figures": figures,
             **({"load_mix": {str(x): v for x, v in mix.items()}, "load_mix_set": mix_set} if mix else {}),
             "path": str(out_dir),
-            "wall_s": round(time.monotonic() - t0, 1), **dtype_info,
+            "wall_s": round(time.monotonic() - t0, 1),
             **{f"{label}_{name}_{key}": v for label, per in figures.items() for name, f in per.items()
                for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None},
-            **({"schedule_of": args.schedule_of, "schedule_from_batches": sched} if sched else {})}
+            **({"schedule_from_batches": sched} if sched else {})}
     reporter.materialize(metadata=meta)
     reporter.result(meta)
 
