@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .sizes import size_text
+
 FORMAT = "eagle3-hidden-states/v1"
 FORMAT_V2 = "eagle3-hidden-states/v2"
 STORAGES = ("native", "fp8")  # native: the compute dtype, as extracted (v1); fp8: e4m3 + per-token scales (v2)
@@ -55,7 +57,7 @@ def choose_hidden_states(mode: str, need_bytes: int, free_bytes: int, have_shard
                          margin: float = DISK_MARGIN) -> tuple[str, str]:
     """(offline | online, why). `auto`: offline when shards are given (on disk already) or would fit the free disk
     with `margin` to spare, online when they would not; an explicit mode is kept."""
-    room = f"{need_bytes / 1e9:,.1f} GB of shards against {free_bytes / 1e9:,.1f} GB free"
+    room = f"{size_text(need_bytes)} of shards against {size_text(free_bytes)} free"
     if mode != "auto":
         return mode, f"hidden_states {mode} (set)"
     if have_shards:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import probe
+from ..common.sizes import size_text
 
 # Stages that need an accelerator on a host that says it has one (`require_gpus`).
 GPU_STAGES = frozenset({"generate", "synthesize", "extract", "train", "speculate", "serve_bench"})
@@ -56,9 +57,9 @@ def problems(info: dict[str, Any], *, where: str, gpus: bool, min_free_bytes: in
     free = info["disk"]["free_bytes"]
     need = max(min_free_bytes, need_bytes or 0)
     if free < need:
-        why = f"the estimated {need_bytes / 1e9:,.2f} GB of hidden states" if need_bytes and need_bytes >= min_free_bytes \
+        why = f"the estimated {size_text(need_bytes)} of hidden states" if need_bytes and need_bytes >= min_free_bytes \
             else f"min_free_gb ({min_free_bytes / 1e9:g} GB)"
-        out.append(f"{where}: only {free / 1e9:,.2f} GB free on the disk of {info['disk']['path']}, less than "
+        out.append(f"{where}: only {size_text(free)} free on the disk of {info['disk']['path']}, less than "
                    f"{why}: free space there or move the host's workdir to a bigger disk")
     return out
 

@@ -4,6 +4,7 @@ dropped connection, a dead control plane, a killed worker, and the ways a host c
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -357,7 +358,8 @@ def test_full_disk(built, sshd, tmp_path):
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
     try:
-        _fails_fast(built, ssh_host(sshd, small), "GB free on the disk of", "min_free_gb")
+        # sizes in the unit they reach (a 1 MB disk is not "0.00 GB")
+        _fails_fast(built, ssh_host(sshd, small), "MB free on the disk of", "min_free_gb")
         target = built.latest("target_model")["path"]
         (small / "conversations").mkdir()
         conv = built.workdir / "conversations" / "conversations.parquet"
@@ -366,7 +368,8 @@ def test_full_disk(built, sshd, tmp_path):
         res = host_stage(built, host, "extract", {"target": target, "conversations": "conversations/conversations.parquet",
                                                   "out_dir": "hidden_states", "shard": 0, "samples_per_shard": 3,
                                                   "dtype": "float32", "storage": "native"})  # ~1.7 MB
-        assert "tokens of hidden states, but only" in res and "bigger disk" in res, res
+        assert re.search(r"needs ~[\d.]+ MB for [\d,]+ tokens of hidden states, but only [\d.]+ (B|kB|MB) are free", res) \
+            and "bigger disk" in res, res
         # the disk fills up to the last byte (another job's output, say): the run says where and what to do, and
         # a worker whose own write fails says the disk is full, not that it crashed
         fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)

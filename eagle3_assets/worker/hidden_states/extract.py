@@ -27,6 +27,7 @@ from ...common.shard_format import (
     part_tokens,
     shard_name,
 )
+from ...common.sizes import size_text
 from ..errors import StageError
 from ..files import replace_dir, require_file, resolve
 from ..shards.parts import check_aux_layers, check_storage
@@ -198,8 +199,8 @@ def run(workdir: str, args: ExtractArgs, reporter) -> None:
     need = total * bytes_per_token(int(cfg.hidden_size), dtype, storage)
     free = shutil.disk_usage(out_root).free
     if need > free:
-        raise StageError(f"{name} needs ~{need / 1e9:,.3f} GB for {total:,} tokens of hidden states, but only "
-                         f"{free / 1e9:,.3f} GB are free under {out_root}: free space there or move the host's "
+        raise StageError(f"{name} needs ~{size_text(need)} for {total:,} tokens of hidden states, but only "
+                         f"{size_text(free)} are free under {out_root}: free space there or move the host's "
                          f"workdir to a bigger disk")
     if backend == "hf":
         device = pick_device(args.device)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...common import charts
+from ...common.sizes import size_text
 from ...stages.train import HYPERPARAMETERS
 from ..compute_dtype import cpu as cpu_info
 from ..errors import StageError
@@ -191,8 +192,8 @@ class Trainer:
         if self.group.is_main:
             self.reporter.log(
                 f"offline shards of {args.conversations} ({len(self.convs.refs):,} samples, {tokens:,} tokens, hidden "
-                f"{hidden}) would take {self.estimate['offline_shards_bytes_fp8'] / 1e9:,.2f} GB in fp8 (format v2) "
-                f"or {self.estimate['offline_shards_bytes_bf16'] / 1e9:,.2f} GB in bf16; {free / 1e9:,.2f} GB are "
+                f"{hidden}) would take {size_text(self.estimate['offline_shards_bytes_fp8'])} in fp8 (format v2) "
+                f"or {size_text(self.estimate['offline_shards_bytes_bf16'])} in bf16; {size_text(free)} are "
                 f"free under {where}: {why} -> {mode}")
         if mode == "offline" and not args.shards:
             raise StageError(f"hidden_states auto chose offline ({why}), but no shards were given: materialize "
