@@ -210,6 +210,27 @@ def prompts_table(convs):
                                   "num_user_turns": sum(m["role"] == "user" for m in c.messages)} for c in convs])
 
 
+# The retraining benches' finetune from the shipped base drafter (retrain_mix.py, retrain_weighting.py): only
+# their data differs
+FINETUNE = {"ttt_steps": 3, "row_tokens": 512, "rows_per_batch": 1, "warmup_ratio": 0.015, "layer_lr": 3.0,
+            "init_layer": -1}
+
+
+def retrain_bench(ap: argparse.ArgumentParser, result: str) -> tuple[argparse.Namespace, Path, str, float]:
+    """The retraining benches' common options and start: (args, workdir, the embedded target's path, start time)."""
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=str(RESULTS / result))
+    args = ap.parse_args()
+    w = Path(args.workdir)
+    (w / "p").mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    _, res = stage(w, "prepare_target", {"path": None})
+    return args, w, res["path"], t0
+
+
 def train_set_id(convs: list) -> str:
     """Which training prompts a figure was measured on (ablation rows before this field: the first 400 of
     the 432 in file order, as `split` capped them then)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from drafter_recipe import prompts_table, splits, stage  # noqa: E402
+from drafter_recipe import FINETUNE, prompts_table, retrain_bench, splits, stage  # noqa: E402
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, other_language_prompts  # noqa: E402
 
 BASE = "shipped:smollm2-135m-instruct"
@@ -33,20 +33,10 @@ def main() -> int:
     from eagle3_assets.worker.training.base_drafters import init_dir
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", required=True)
     ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
-    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--old", type=int, default=200, help="old (chat) training prompts regenerated")
     ap.add_argument("--eval", type=int, default=24, help="old eval prompts measured")
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "retrain_mix.json"))
-    args = ap.parse_args()
-    w = Path(args.workdir)
-    (w / "p").mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    _, res = stage(w, "prepare_target", {"path": None})
-    target = res["path"]
+    args, w, target, t0 = retrain_bench(ap, "retrain_mix.json")
     parts = splits()
     pq.write_table(prompts_table(parts["train"][: args.old]), w / "p" / "old.parquet")
     pq.write_table(prompts_table(parts["test"][: args.eval]), w / "p" / "old_eval.parquet")
@@ -77,9 +67,8 @@ def main() -> int:
         run = f"mix{int(share * 100)}"
         meta, _ = stage(w, "train", {"target": target, "shards": ["shards/new/shard-00000"], "init_from": BASE,
                                      "mix_shards": ["shards/old/shard-00000"], "mix_share": share,
-                                     "out": f"drafters/{run}", "epochs": args.epochs, "lr": args.lr, "ttt_steps": 3,
-                                     "row_tokens": 512, "rows_per_batch": 1, "warmup_ratio": 0.015, "layer_lr": 3.0,
-                                     "init_layer": -1, "device": args.device})
+                                     "out": f"drafters/{run}", "epochs": args.epochs, "lr": args.lr, **FINETUNE,
+                                     "device": args.device})
         measure(f"challenger, mix_share {share}", f"drafters/{run}/model",
                 {"mix_share": share, "old_samples": meta.get("mix_old_samples", 0),
                  "new_samples": meta.get("mix_new_samples"), "steps": meta.get("steps"), "train_s": meta.get("wall_s")})

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from drafter_recipe import splits, stage  # noqa: E402
+from drafter_recipe import FINETUNE, retrain_bench, splits, stage  # noqa: E402
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, other_language_prompts  # noqa: E402
 
 BASE = "shipped:smollm2-135m-instruct"
@@ -43,21 +43,11 @@ def main() -> int:
     from eagle3_assets.worker.training.base_drafters import init_dir
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", required=True)
     ap.add_argument("--other", type=int, default=64, help="prompts in other languages in the day")
     ap.add_argument("--heldout-share", type=float, default=0.3)
-    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--max-boost", type=float, default=3.0)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "retrain_weighting.json"))
-    args = ap.parse_args()
-    w = Path(args.workdir)
-    (w / "p").mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    _, res = stage(w, "prepare_target", {"path": None})
-    target = res["path"]
+    args, w, target, t0 = retrain_bench(ap, "retrain_weighting.json")
     parts = splits()
     chat = [c.messages[-1]["content"] for c in parts["dev"] + parts["test"] if len(c.messages) == 1]
     day = {"chat": rows_of(chat, "chat"),
@@ -110,9 +100,7 @@ def main() -> int:
             run = f"w{i}s{seed}"
             meta, _ = stage(w, "train", {"target": target, "shards": [f"shards{i}/shard-00000"], "init_from": BASE,
                                          "out": f"drafters/{run}", "epochs": args.epochs, "lr": args.lr,
-                                         "ttt_steps": 3, "row_tokens": 512, "rows_per_batch": 1, "seed": seed,
-                                         "warmup_ratio": 0.015, "layer_lr": 3.0, "init_layer": -1,
-                                         "device": args.device})
+                                         **FINETUNE, "seed": seed, "device": args.device})
             rows.append({"drafter": f"challenger, {label}", "seed": seed, "steps": meta.get("steps"),
                          "train_s": meta.get("wall_s"), **measure(f"drafters/{run}/model")})
             print(json.dumps(rows[-1]), flush=True)
