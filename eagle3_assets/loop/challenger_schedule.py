@@ -44,9 +44,20 @@ def challenger_schedule(context: dg.AssetExecutionContext, config: ChallengerSch
         raise dg.Failure(description=f"challenger_export has no {engine} dialect: export the challenger for {engine}")
     checkpoint = chall["checkpoint"] or "unknown"
     if config.source == "gate":
+        if changed := sweep_settings(config):  # each would be silently ignored
+            raise dg.Failure(description=f"{', '.join(changed)} set with source: gate, where the schedule is the "
+                                         "promotion gate's (its concurrencies, its k, a 3 % tolerance, its batch "
+                                         "limit): take them out, or set source: sweep to measure with them",
+                             allow_retries=False)
         return from_gate(context.instance, engine, checkpoint)
     return measure(context, ScheduleConfig(**config.model_dump(exclude={"source"})), gpu_host,
                    chall[f"{engine}_path"], checkpoint)
+
+
+def sweep_settings(config: ChallengerScheduleConfig) -> list[str]:
+    """The settings given that only a sweep uses (those off their defaults: Dagster's fields_set is not the user's)."""
+    return sorted(k for k, f in type(config).model_fields.items()
+                  if k != "source" and getattr(config, k) != f.get_default(call_default_factory=True))
 
 
 def from_gate(instance: dg.DagsterInstance, engine: str, checkpoint: str) -> dg.MaterializeResult:
@@ -54,15 +65,22 @@ def from_gate(instance: dg.DagsterInstance, engine: str, checkpoint: str) -> dg.
     metadata; a Failure saying what to do when that gate judged another challenger or chose none."""
     recs = instance.fetch_materializations(dg.AssetRecordsFilter(
         asset_key=dg.AssetKey("promotion_gate"), asset_partitions=[engine]), limit=1).records
-    gate = {k: v.value for k, v in recs[0].event_log_entry.asset_materialization.metadata.items()} if recs else {}
+    if not recs:
+        raise dg.Failure(description=f"no promotion_gate on {engine} yet: materialize the gate for this challenger "
+                                     "first, or use source: sweep")
+    gate = {k: v.value for k, v in recs[0].event_log_entry.asset_materialization.metadata.items()}
     if gate.get("challenger") != checkpoint:
         raise dg.Failure(description=f"the newest promotion_gate on {engine} judged "
-                                     f"{str(gate.get('challenger'))[:12] or 'no challenger'}, not {checkpoint[:12]}: "
+                                     f"{str(gate.get('challenger'))[:12]}, not {checkpoint[:12]}: "
                                      "materialize the gate for this challenger first, or use source: sweep")
+    if gate.get("promote") is False:
+        raise dg.Failure(description=f"the promotion_gate on {engine} refused {checkpoint[:12]} "
+                                     f"({gate.get('decision')}): a refused challenger is not rolled out, so it gets "
+                                     "no schedule")
     meta = gate.get("schedule_from_batches")
     if not meta:
-        raise dg.Failure(description=f"the promotion_gate on {engine} chose no schedule from its batches (its target "
-                                     "alone was not measured: baseline off): use source: sweep")
+        why = gate.get("no_schedule_from_batches") or "its batches gave none"
+        raise dg.Failure(description=f"the promotion_gate on {engine} chose no schedule from its batches: {why}")
     typed = {k: dg.MetadataValue.json(v) if isinstance(v, dict | list) else dg.MetadataValue.path(v) if k == "path"
              else v for k, v in meta.items() if v is not None}
     return dg.MaterializeResult(

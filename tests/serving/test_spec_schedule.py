@@ -6,6 +6,7 @@ import ast
 import bisect
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,10 @@ def test_the_rollouts_restart_gets_the_schedule_measured_for_the_drafter(tmp_pat
     argv = restart.command(server, str(export))
     assert argv[argv.index("--drafter") + 1] == str(export)
     assert argv[argv.index("--speculative-config") + 1] == str(launch / "speculative_config.vllm.json")
+    # the file is held to the schedule recorded for the drafter (the model's path aside: the host's)
+    assert restart.launch_differs(str(export), "vllm", [[1, 4, 3], [5, 1024, 0]]) is None
+    why = restart.launch_differs(str(export), "vllm", [[1, 8, 2], [9, 1024, 0]])
+    assert why and "the schedule measured for this drafter is 1-8: k=2, 9-1024: off" in why
 
 
 def test_a_drafter_the_loop_promoted_is_served_with_its_challengers_schedule():
@@ -215,8 +220,9 @@ def test_the_gates_batches_give_the_challengers_schedule_and_no_server_starts(tm
     args = SimpleNamespace(schedule_of="challenger", schedule_dir="exports/cafe/vllm-launch", baseline=True,
                            extra_args=["--max-num-seqs", "64"])
     logged = []
-    meta = schedule_from_batches(args, str(tmp_path), {"challenger": export}, figures, "traffic", 1, 3,
-                                 {"engine": "vllm", "engine_version": "0.x"}, SimpleNamespace(log=logged.append))
+    meta, none = schedule_from_batches(args, str(tmp_path), {"challenger": export}, figures, "traffic", 1, 3,
+                                       {"engine": "vllm", "engine_version": "0.x"}, SimpleNamespace(log=logged.append))
+    assert none is None
     # drafting pays alone (1.6x) and loses at 4 (0.85x): k = 3 for one request, none from 2 on, to the batch limit
     assert meta["schedule"] == [[1, 1, 3], [2, 64, 0]] and meta["ks"] == [0, 3] and meta["grid"] == [1, 4]
     assert meta["curve"]["3"] == {"1": pytest.approx(48.0), "4": pytest.approx(85.0)}
@@ -226,13 +232,27 @@ def test_the_gates_batches_give_the_challengers_schedule_and_no_server_starts(tm
     assert json.loads((launch / "load_curve.json").read_text())["schedule_text"] == meta["schedule_text"]
     assert any("from these batches" in line for line in logged)
     # without the target alone there is nothing to choose from: said, no file
-    assert schedule_from_batches(SimpleNamespace(**{**vars(args), "baseline": False}), str(tmp_path),
-                                 {"challenger": export}, figures, "traffic", 1, 3, {}, SimpleNamespace(
-                                     log=logged.append)) is None and "baseline" in logged[-1]
-    # nor without one request alone (a gate first measured at 2): the gate's verdict stands, the sweep is named
+    got, why = schedule_from_batches(SimpleNamespace(**{**vars(args), "baseline": False}), str(tmp_path),
+                                     {"challenger": export}, figures, "traffic", 1, 3, {},
+                                     SimpleNamespace(log=logged.append))
+    assert got is None and "baseline" in why and why in logged[-1]
+    # nor without one request alone (a gate first measured at 2): the gate's verdict stands, the fix is named
     at2 = {"baseline": {"traffic": {"output_tokens_per_s": 50.0}}, "challenger": {"traffic": {"speedup": 1.2}}}
-    assert schedule_from_batches(args, str(tmp_path), {"challenger": export}, at2, "traffic", 2, 3, {},
-                                 SimpleNamespace(log=logged.append)) is None and "sweep" in logged[-1]
+    got, why_at2 = schedule_from_batches(args, str(tmp_path), {"challenger": export}, at2, "traffic", 2, 3, {},
+                                         SimpleNamespace(log=logged.append))
+    assert got is None and "not one alone: add 1 to the gate's concurrencies" in why_at2 and "sweep" in why_at2
+    # a schedule that never drafts (the challenger loses everywhere) leaves no config to start a server with: the
+    # one written before is gone, not left to the rollout
+    other = tmp_path / "other"
+    (other / "exports" / "cafe" / "vllm-launch").mkdir(parents=True)
+    shutil.copy(launch / "speculative_config.vllm.json", other / "exports" / "cafe" / "vllm-launch")
+    loses = {"baseline": figures["baseline"], "challenger": {"traffic": {"speedup_by_concurrency": {"1": 0.7,
+                                                                                                  "4": 0.6}}}}
+    off, _ = schedule_from_batches(args, str(other), {"challenger": export}, loses, "traffic", 1, 3, {},
+                                   SimpleNamespace(log=logged.append))
+    assert off["schedule_text"] == "1-64: off"
+    assert sorted(p.name for p in (other / "exports" / "cafe" / "vllm-launch").iterdir()) == [
+        "adaptive.sglang.json", "load_curve.json"]
 
     with dg.instance_for_test() as instance:
         instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
@@ -245,3 +265,34 @@ def test_the_gates_batches_give_the_challengers_schedule_and_no_server_starts(tm
         assert "k=3" in sched["table_md"] and sched["measured_by"].startswith("the promotion gate's batches")
         with pytest.raises(dg.Failure, match=f"judged {'c' * 12}, not {'d' * 12}.*source: sweep"):
             from_gate(instance, "vllm", "d" * 32)
+        with pytest.raises(dg.Failure, match="no promotion_gate on sglang yet"):
+            from_gate(instance, "sglang", "c" * 32)
+        # a gate that chose none says why, as its stage did; a refused challenger gets no schedule
+        instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
+            "challenger": "e" * 32, "no_schedule_from_batches": why_at2, "promote": True}))
+        with pytest.raises(dg.Failure, match="chose no schedule from its batches: measured at \\[2\\] requests"):
+            from_gate(instance, "vllm", "e" * 32)
+        instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
+            "challenger": "f" * 32, "schedule_from_batches": dg.MetadataValue.json(meta), "promote": False,
+            "decision": "keep the champion"}))
+        with pytest.raises(dg.Failure, match=f"refused {'f' * 12}"):
+            from_gate(instance, "vllm", "f" * 32)
+
+
+def test_settings_only_a_sweep_uses_are_refused_with_the_gates_schedule():
+    """challenger_schedule `source: gate` takes the gate's schedule as chosen (its concurrencies, its k, its tolerance):
+    a tolerance or a batch limit given beside it would be ignored, so it is named, not dropped; config built by
+    Dagster (its defaults filled in) names nothing."""
+    import dagster as dg
+
+    from eagle3_assets.loop.challenger_schedule import ChallengerScheduleConfig, sweep_settings
+
+    seen = []
+
+    @dg.asset
+    def probe(config: ChallengerScheduleConfig):
+        seen.append(sweep_settings(config))
+
+    for cfg in ({"source": "gate"}, {"source": "gate", "tolerance": 0.1, "extra_args": ["--max-num-seqs", "32"]}):
+        assert dg.materialize([probe], run_config={"ops": {"probe": {"config": cfg}}}).success
+    assert seen == [[], ["extra_args", "tolerance"]]

@@ -44,6 +44,9 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
         require_file(d / "config.json", f"the {label} drafter's export", "materialize its export first")
     if BASELINE in drafters:
         raise StageError(f"a drafter may not be labelled {BASELINE!r}: that is the server without speculation")
+    if args.schedule_of and (args.schedule_of not in drafters or not args.schedule_dir):  # before any server starts
+        raise StageError(f"schedule_of {args.schedule_of!r} names no drafter here ({', '.join(drafters)}), or no "
+                         "schedule_dir: name one of the drafters and where its schedule goes")
     out_dir = resolve(workdir, args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = host_device()
@@ -138,7 +141,7 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                 _at_mix(figures[label][mix_set], figures[BASELINE][mix_set], mix, label, reporter,
                         {x: v for (name, x), v in paired[label].items() if name == mix_set and v})
     about = {"engine": engine.NAME, "engine_version": info["version"], **dtype_info}
-    sched = schedule_from_batches(args, workdir, drafters, figures, mix_set, c, k, about, reporter)
+    sched, no_sched = schedule_from_batches(args, workdir, drafters, figures, mix_set, c, k, about, reporter)
     meta = {**about, "num_speculative_tokens": k,
             "max_new_tokens": max_new, "concurrency": c, "figures": figures,
             **({"load_mix": {str(x): v for x, v in mix.items()}, "load_mix_set": mix_set} if mix else {}),
@@ -146,43 +149,51 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
             "wall_s": round(time.monotonic() - t0, 1),
             **{f"{label}_{name}_{key}": v for label, per in figures.items() for name, f in per.items()
                for key, v in f.items() if key in ("acceptance_length", "speedup") and v is not None},
-            **({"schedule_from_batches": sched} if sched else {})}
+            **({"schedule_from_batches": sched} if sched else {}),
+            **({"no_schedule_from_batches": no_sched} if no_sched else {})}
     reporter.materialize(metadata=meta)
     reporter.result(meta)
 
 
 def schedule_from_batches(args, workdir: str, drafters: dict, figures: dict, mix_set: str, c: int, k: int,
-                          about: dict, reporter) -> dict | None:
+                          about: dict, reporter) -> tuple[dict | None, str | None]:
     """The schedule of the drafter labelled `schedule_of`, from the batches served here: on the first set, the target
     alone's tokens/s at each concurrency measured and the drafter's (the baseline's times its paired speedup there),
     its k against none; written as the load_curve stage writes a sweep's. No server starts for it: a sweep measures
-    every k up to the deepest on a grid of its own, this only the gate's concurrencies and the served k."""
+    every k up to the deepest on a grid of its own, this only the gate's concurrencies and the served k. Returns
+    (its metadata, None), or (None, why there is none): the gate's verdict stands without one."""
     label = args.schedule_of
     if not label:
-        return None
-    if label not in drafters or not args.schedule_dir:
-        raise StageError(f"schedule_of {label!r} names no drafter here ({', '.join(drafters)}), or no schedule_dir")
+        return None, None
+
+    def none(why: str) -> tuple[None, str]:
+        reporter.log(f"no schedule from these batches: {why}")
+        return None, why
+
     if not args.baseline:
-        reporter.log("no schedule from these batches: the target alone (baseline) was not measured")
-        return None
+        return none("the target alone (baseline) was not measured")
     base, mine = figures[BASELINE][mix_set], figures[label][mix_set]
     base_tok = {int(x): v for x, v in (base.get("tokens_per_s_by_concurrency")
                                        or {str(c): base["output_tokens_per_s"]}).items()}
     speedup = {int(x): v for x, v in (mine.get("speedup_by_concurrency") or {str(c): mine.get("speedup")}).items()}
-    if not all(base_tok.get(x) and speedup.get(x) for x in base_tok) or 1 not in base_tok:
-        # a schedule starts at one request alone; the gate's verdict stands without one
-        reporter.log(f"no schedule from these batches: measured at {sorted(base_tok)}, speedups {speedup} (one "
-                     "request alone is needed, each with a speedup): challenger_schedule's sweep measures one")
-        return None
+    if 1 not in base_tok:  # a schedule starts at one request alone
+        return none(f"measured at {sorted(base_tok)} requests, not one alone: add 1 to the gate's concurrencies, or "
+                    "let challenger_schedule sweep (source: sweep)")
+    if missing := [x for x in sorted(base_tok) if not (base_tok.get(x) and speedup.get(x))]:
+        return none(f"no throughput or speedup at {missing} requests (speedups {speedup}): challenger_schedule's "
+                    "sweep (source: sweep) measures its own")
     curve = {0: base_tok, k: {x: base_tok[x] * speedup[x] for x in base_tok}}
     out = resolve(workdir, args.schedule_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _, max_batch = batch_limit(list(args.extra_args or []), 1 << 30)
-    meta = write_schedule(out, str(drafters[label]), curve, max_batch, TOLERANCE, None,
-                          {**about, "measured_by": "the promotion gate's batches (serve_compare), at its concurrencies "
-                                                   f"and k={k}: no sweep"})
+    try:
+        _, max_batch = batch_limit(list(args.extra_args or []), 1 << 30)
+        meta = write_schedule(out, str(drafters[label]), curve, max_batch, TOLERANCE, None,
+                              {**about, "measured_by": "the promotion gate's batches (serve_compare), at its "
+                                                       f"concurrencies and k={k}: no sweep"})
+    except (StageError, ValueError) as e:  # ScheduleError is a ValueError: the verdict stands, the reason is kept
+        return none(str(e))
     reporter.log(f"{label}'s schedule from these batches: {meta['schedule_text']}")
-    return meta
+    return meta, None
 
 
 def _keep(figures: dict, label: str, name: str, got: dict, reporter) -> None:

@@ -125,6 +125,8 @@ def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float
     files = {}
     if vllm_cfg := spec_schedule.vllm_config("eagle3", drafter, schedule):
         files["vllm_speculative_config"] = _write(out_dir / "speculative_config.vllm.json", spec_schedule.dumps(vllm_cfg))
+    else:  # a schedule that never drafts: no config left from an earlier one to start a server with
+        (out_dir / "speculative_config.vllm.json").unlink(missing_ok=True)
     files["sglang_adaptive_config"] = _write(out_dir / "adaptive.sglang.json",
                                              json.dumps(spec_schedule.sglang_adaptive_config(schedule), indent=1))
     for r in choice_rows:
