@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from .common.engines import DEFAULT, NAMES
+from .common.secrets import scrub
 
 QUIET_LOGGERS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 EMBEDDED_DEADLINE_S = 870.0  # the preset's 15 minutes on 2 cores, less half a minute of margin
@@ -252,6 +253,11 @@ def decide(args) -> int:
         instance=instance, partition_key=args.engine, raise_on_error=False, run_config=QUIET_LOGGERS)
     print(f"rollout {'done' if res.success else 'FAILED'} (run {res.run_id})" + ("" if res.success else
           ": `eagle3-assets production` shows what each server serves now"))
+    for event in [] if res.success else res.get_step_failure_events():  # why, where the user typed the command
+        data = event.step_failure_data
+        why = data.user_failure_data.description if data.user_failure_data else (data.error.message if data.error
+                                                                                   else None)
+        print(f"rollout: {scrub(str(why or 'see the run in the UI')).strip()}", file=sys.stderr)
     return 0 if res.success else 1
 
 

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from ..common import spec_schedule
 from ..common.secrets import scrub
 from ..eye.servers_file import Server
 
@@ -31,6 +32,29 @@ def launch_file(drafter: str, engine: str) -> Path:
     """The speculative config the speculation schedule wrote beside an export (exports/<v>/<engine>-launch/)."""
     name = "speculative_config.vllm.json" if engine == "vllm" else "adaptive.sglang.json"
     return Path(drafter).parent / f"{engine}-launch" / name
+
+
+def launch_differs(drafter: str, engine: str, schedule: list) -> str | None:
+    """Why the launch file beside this export would not start the schedule recorded for it (a later gate or sweep
+    rewrote it, a hand edit), or None when it would or there is none (command() says so then)."""
+    spec = launch_file(drafter, engine)
+    if not spec.is_file():
+        return None
+    sched = [tuple(r) for r in schedule]
+    if engine == "vllm":
+        want = {k: v for k, v in spec_schedule.vllm_config("eagle3", "", sched).items() if k != "model"}
+    else:
+        want = spec_schedule.sglang_adaptive_config(sched)
+    try:
+        got = json.loads(spec.read_text())
+    except (OSError, ValueError) as e:
+        return f"{spec} cannot be read ({e})"
+    if engine == "vllm" and isinstance(got, dict):
+        got = {k: v for k, v in got.items() if k != "model"}
+    if got == want:
+        return None
+    return (f"{spec} would start {spec_schedule.dumps(got) if isinstance(got, dict) else got}, but the schedule "
+            f"measured for this drafter is {spec_schedule.describe(sched)} ({spec_schedule.dumps(want)})")
 
 
 def command(server: Server, drafter: str) -> list[str]:

@@ -9,6 +9,7 @@ import dagster as dg
 from pydantic import Field
 
 from ..assets.partitions import engine_partitions
+from ..assets.speculation_schedule import schedule_for
 from ..code_versions import code_version
 from ..eye import served
 from ..eye.servers_file import SERVERS_ENV, load_servers
@@ -51,6 +52,14 @@ def rollout(context: dg.AssetExecutionContext, config: RolloutConfig) -> dg.Mate
     except ValueError as e:  # the file's own message names the field; no traceback to read through
         raise dg.Failure(description=str(e), allow_retries=False) from None
     new, done = prod["export_path"], {}
+    if any(servers_rollout.SPEC_CONFIG in part for s in servers for part in s.restart or []):
+        # the launch file is shared by whatever measured last (a sweep, a gate run again): it must be the schedule
+        # the instance recorded for this drafter, which the eye and serving_benchmark hold the servers to
+        sched, _ = schedule_for(context.instance, engine, prod["version"])
+        if sched is not None and (bad := servers_rollout.launch_differs(new, engine, sched["schedule"])):
+            raise dg.Failure(description=f"rollout of {prod['version'][:12]} not started, no server touched: {bad}. "
+                                         "Materialize its schedule again (challenger_schedule, or "
+                                         "speculation_schedule), then roll out", allow_retries=False)
     for s in servers:
         old = served.rolled_out(context.instance, s.name) or served.serving_now(
             served.observations(context.instance, s.name, limit=50)) or s.drafter

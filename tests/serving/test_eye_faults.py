@@ -322,3 +322,39 @@ def test_a_drift_reports_load_is_the_window_the_sensor_saw_not_the_idle_minutes_
         assert line.startswith("**Load** (moved): 4.00 requests running at once"), line
         idle, _ = drift_report.load_moved(SimpleNamespace(instance=instance), "prod", 2)
         assert idle["mean_batch_in_window"] == 0.0  # the report's own clock: the idle read
+
+
+# ---- the launch file the rollout starts servers with --------------------------------------------------------
+def test_a_launch_file_rewritten_after_its_schedule_was_measured_stops_the_rollout_before_any_server(
+        home, monkeypatch, capsys, fakes, tmp_path):
+    """The launch file beside an export is shared by whatever measured last (a sweep, a gate run again, a hand edit):
+    a rollout whose {speculative_config} would start another schedule than the one recorded for the drafter (the one
+    the eye and serving_benchmark hold it to) touches no server and says which schedules differ."""
+    from eagle3_assets.common import spec_schedule as ss
+
+    export = tmp_path / "exports" / "a" / "vllm"
+    (export.parent / "vllm-launch").mkdir(parents=True)
+    export.mkdir()
+    ckpt = "a" * 12
+    home.report_runless_asset_event(dg.AssetMaterialization(
+        "drafter_export", metadata={"vllm_path": str(export), "source": "/ckpt/a"},
+        tags={"dagster/input_data_version/eagle3_drafter": ckpt}))
+    measured = [[1, 4, 3], [5, 64, 0]]
+    home.report_runless_asset_event(dg.AssetMaterialization("speculation_schedule", partition="vllm", metadata={
+        "checkpoint": ckpt, "schedule": dg.MetadataValue.json(measured), "schedule_text": ss.describe(measured)}))
+    launch = export.parent / "vllm-launch" / "speculative_config.vllm.json"
+    launch.write_text(ss.dumps(ss.vllm_config("eagle3", str(export), [(1, 1, 3), (2, 64, 0)])))  # another schedule
+    marker = tmp_path / "restarted"
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(yaml.safe_dump({"servers": [
+        {"name": "s1", "url": fakes({"/health": "ok"}).url, "drafter": "/exports/old/vllm",
+         "restart": ["bash", "-c", f"echo {{drafter}} {{speculative_config}} > {marker}"]}]}))
+    monkeypatch.setenv("EAGLE3_SERVERS", str(servers))
+    assert cli.main(["promote", "--version", ckpt, "--rollout"]) == 1
+    err = capsys.readouterr().err
+    assert "not started, no server touched" in err and "1-4: k=3, 5-64: off" in err and str(launch) in err, err
+    assert not marker.exists()
+    # the schedule measured again writes the file it records: the same rollout goes through, with that file
+    launch.write_text(ss.dumps(ss.vllm_config("eagle3", str(export), [tuple(r) for r in measured])))
+    assert cli.main(["promote", "--version", ckpt, "--rollout"]) == 0, capsys.readouterr().err
+    assert marker.read_text().split() == [str(export), str(launch)]
