@@ -4,9 +4,11 @@ alone: the second story's, and the tests' and benches' that need sensors and the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,13 +27,48 @@ def start_daemon(env: dict, log: Path, workspace: Path | None = None, cwd: Path 
 
 
 def stop_daemon(proc: subprocess.Popen | None) -> None:
-    if proc and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own process group: the daemon and its code server
+    """SIGTERM to the daemon's process group (the daemon, its code server, the run workers they launched), then wait
+    until every process of it has ended, not only the daemon: a run worker still writing its run's last events would
+    race settle_runs. SIGKILL for what outlives 30 s."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
+    if not _group_gone(proc.pid, 30):
+        _signal_group(proc.pid, signal.SIGKILL)
+        _group_gone(proc.pid, 5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Whether no live process (zombies aside: an init that does not reap leaves them) is left in the group within
+    `timeout_s`. Read from /proc; where there is none, only the daemon's own end was waited for."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # ended while read
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
 
 
 def settle_runs(instance: dg.DagsterInstance, since: float, log: Callable[[str], None] = print) -> None:
@@ -44,7 +81,8 @@ def settle_runs(instance: dg.DagsterInstance, since: float, log: Callable[[str],
         if not run.is_finished:
             instance.report_run_canceled(run, message="the story ended: its daemon stopped")
             log(f"canceled run {run.run_id[:8]} ({run.job_name}): the story's daemon stopped before it ended")
-        elif run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true" \
+        elif run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) != "false" \
                 and not run.tags.get(RETRIED_BY_TAG):
+            # tagged for a retry, or not yet tagged (the retry daemon decides from the failure when the tag is absent)
             instance.add_run_tags(run.run_id, {WILL_RETRY_TAG: "false"})
-            log(f"run {run.run_id[:8]} ({run.job_name}) failed as the story's daemon stopped: not retried")
+            log(f"failed run {run.run_id[:8]} ({run.job_name}): not retried by the next daemon")

@@ -362,13 +362,40 @@ def test_a_stopped_daemons_runs_are_neither_launched_nor_retried_by_the_next():
             **sensor, WILL_RETRY_TAG: "true", "dagster/auto_retry_run_id": "x"})
         by_hand = create_run_for_test(instance, job_name="retrain_on_traffic", tags={WILL_RETRY_TAG: "true"},
                                       status=dg.DagsterRunStatus.FAILURE)
+        # failed, its retry not yet decided (no tag: the retry daemon would decide from the failure)
+        untagged = create_run_for_test(instance, job_name="report_drift", tags=sensor,
+                                       status=dg.DagsterRunStatus.FAILURE)
         said = []
         settle_runs(instance, t0, said.append)
         get = instance.get_run_by_id
         assert get(running.run_id).status == dg.DagsterRunStatus.CANCELED
-        assert get(killed.run_id).tags[WILL_RETRY_TAG] == "false"
+        assert get(killed.run_id).tags[WILL_RETRY_TAG] == get(untagged.run_id).tags[WILL_RETRY_TAG] == "false"
         assert get(retried.run_id).tags[WILL_RETRY_TAG] == get(by_hand.run_id).tags[WILL_RETRY_TAG] == "true"
-        assert len(said) == 2 and any("not retried" in line for line in said)
+        assert len(said) == 3 and sum("not retried" in line for line in said) == 2
+
+
+def test_a_daemon_is_stopped_only_once_its_run_workers_have_ended(tmp_path):
+    """The daemon's process group holds its run workers: one still writing its run's last events after the daemon
+    itself exited would race settle_runs, so stop_daemon waits for the whole group, not the daemon alone."""
+    import subprocess
+    import sys
+
+    from eagle3_assets.story.daemon import stop_daemon
+
+    done = tmp_path / "worker-ended"
+    worker = ("import signal, sys, time\n"
+              "def last_events(*_):\n"
+              "    time.sleep(1.5)\n"  # a run worker writing its failure after SIGTERM
+              f"    open({str(done)!r}, 'w').write('done')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, last_events)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    daemon = subprocess.Popen(["bash", "-c", f"{sys.executable} -c \"$0\" & sleep 60", worker],
+                              start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert daemon.stdout.readline().strip() == "ready"
+    stop_daemon(daemon)
+    assert done.read_text() == "done"
 
 
 def test_a_retraining_names_the_drift_report_and_server_it_answers():
