@@ -34,6 +34,9 @@ def launch_file(drafter: str, engine: str) -> Path:
     return Path(drafter).parent / f"{engine}-launch" / name
 
 
+SCHEDULE_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
+
+
 def launch_differs(drafter: str, engine: str, schedule: list) -> str | None:
     """Why the launch file beside this export would not start the schedule recorded for it (a later gate or sweep
     rewrote it, a hand edit), or None when it would or there is none (command() says so then)."""
@@ -41,16 +44,14 @@ def launch_differs(drafter: str, engine: str, schedule: list) -> str | None:
     if not spec.is_file():
         return None
     sched = [tuple(r) for r in schedule]
-    if engine == "vllm":
-        want = {k: v for k, v in spec_schedule.vllm_config("eagle3", "", sched).items() if k != "model"}
-    else:
-        want = spec_schedule.sglang_adaptive_config(sched)
+    want = spec_schedule.vllm_config("eagle3", "", sched) if engine == "vllm" else \
+        spec_schedule.sglang_adaptive_config(sched)
     try:
         got = json.loads(spec.read_text())
     except (OSError, ValueError) as e:
         return f"{spec} cannot be read ({e})"
-    if engine == "vllm" and isinstance(got, dict):
-        got = {k: v for k, v in got.items() if k != "model"}
+    if engine == "vllm" and isinstance(got, dict):  # the schedule's keys only: a team may add its own (TP, ...)
+        want, got = ({k: cfg.get(k) for k in SCHEDULE_KEYS} for cfg in (want, got))
     if got == want:
         return None
     return (f"{spec} would start {spec_schedule.dumps(got) if isinstance(got, dict) else got}, but the schedule "

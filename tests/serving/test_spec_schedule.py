@@ -170,6 +170,9 @@ def test_the_rollouts_restart_gets_the_schedule_measured_for_the_drafter(tmp_pat
     assert argv[argv.index("--speculative-config") + 1] == str(launch / "speculative_config.vllm.json")
     # the file is held to the schedule recorded for the drafter (the model's path aside: the host's)
     assert restart.launch_differs(str(export), "vllm", [[1, 4, 3], [5, 1024, 0]]) is None
+    cfg = json.loads((launch / "speculative_config.vllm.json").read_text())  # a key of the team's own: still the same
+    (launch / "speculative_config.vllm.json").write_text(json.dumps({**cfg, "draft_tensor_parallel_size": 1}))
+    assert restart.launch_differs(str(export), "vllm", [[1, 4, 3], [5, 1024, 0]]) is None
     why = restart.launch_differs(str(export), "vllm", [[1, 8, 2], [9, 1024, 0]])
     assert why and "the schedule measured for this drafter is 1-8: k=2, 9-1024: off" in why
 
