@@ -29,6 +29,7 @@ candidates are chosen; only the first `keep` by rank are held in memory and reda
 
 from __future__ import annotations
 
+import fnmatch
 import getpass
 import hashlib
 import heapq
@@ -57,6 +58,8 @@ ROLE_ALIASES = {"developer": "system"}
 TOOL_ROLES = {"tool", "function", "ipython"}
 _NAME_DATE = re.compile(r"(?<!\d)(\d{4})-?(\d{2})-?(\d{2})(?!\d)")
 _MAX_EPOCH = 7_258_118_400  # 2200-01-01: a larger number is milliseconds or nanoseconds, not seconds
+_WILDCARD = re.compile(r"[*?\[]")
+_DIRS_CHECKED = 1000  # a glob's walk for an unsearchable directory stops after this many (a huge tree, a link loop)
 
 
 class TrafficError(PromptError):
@@ -98,9 +101,9 @@ def expand(sources: list[str]) -> list[str]:
         glob = any(c in source for c in "*?[")
         if not paths or (not glob and not fs.exists(paths[0])):
             if denied := _local_denied(fs, paths[0] if paths else source, glob):
-                raise TrafficError(f"traffic source {source!r}: permission denied ({denied}): the Dagster machine's "
-                                   f"user ({getpass.getuser()}) must be able to read the logs and search their "
-                                   "directories: grant it read access (e.g. its group), or copy the logs where it can")
+                raise TrafficError(f"traffic source {source!r}: permission denied: {denied}: give the user running "
+                                   f"Dagster ({getpass.getuser()}) read and execute (search) permission on it (e.g. "
+                                   "through its group), or copy the logs where it can read them")
             raise TrafficError(f"traffic source {source!r} {'matches no file' if glob else 'not found'}: check the "
                                "traffic asset's `sources` (or EAGLE3_TRAFFIC_LOGS); paths and globs are read on the "
                                "Dagster machine")
@@ -109,19 +112,60 @@ def expand(sources: list[str]) -> list[str]:
 
 
 def _local_denied(fs, path: str, glob: bool) -> str | None:
-    """Why a local path that seems absent is in fact unreadable (a directory the user cannot search or list: exists()
-    and glob() then say nothing is there), or None."""
+    """Why a local path that seems absent is in fact out of reach, or None: a directory on its way that the user
+    cannot search (no x bit: exists() and glob() then say nothing is there, even where the directory can be listed,
+    as one of mode 0444 can), or a glob's directory that it cannot list."""
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         return None
-    path = fs._strip_protocol(path)
-    if glob:  # the deepest directory before the first wildcard must be listable
-        path = str(PurePosixPath(re.split(r"[*?\[]", path, maxsplit=1)[0] + "x").parent)
+    parts = PurePosixPath(os.path.abspath(fs._strip_protocol(path))).parts
+    # the directories before the first wildcard (a plain path's: all but its last part) must be searched
+    wild = next((i for i, part in enumerate(parts) if _WILDCARD.search(part)), len(parts) - 1) if glob else \
+        len(parts) - 1
+    for i in range(1, wild + 1):
+        d = os.path.join(*parts[:i])
+        if not os.path.isdir(d):  # truly absent (or not a directory): the caller's "not found" stands
+            return None
+        if not os.access(d, os.X_OK):
+            return _cannot(d, "searched")
+    if glob:  # then listed, and so is each directory the glob's wildcards reach before its last part
+        return _walk_denied(os.path.join(*parts[:wild]), parts[wild:-1], [_DIRS_CHECKED])
     try:
-        os.listdir(path) if glob else os.stat(path)
-    except PermissionError as e:
-        return f"{e.strerror.lower()} on {e.filename}" if e.filename else e.strerror.lower()
-    except OSError:  # truly absent, or another error: the caller's "not found" stands
+        os.stat(os.path.join(*parts))
+    except PermissionError as e:  # refused where the mode bits allow it (an ACL, a security module)
+        return f"{e.filename or path} cannot be reached ({e.strerror.lower()})"
+    except OSError:
         return None
+    return None
+
+
+def _cannot(d: str, what: str) -> str:
+    return f"{d} cannot be {what} (mode {os.stat(d).st_mode & 0o7777:04o})"
+
+
+def _walk_denied(d: str, parts: tuple, budget: list) -> str | None:
+    """The first directory that cannot be listed or searched: `d` (listed for the glob's next part), or one that the
+    glob's remaining directory parts (`*`, `day-*`, `**`) reach below it; None if there is none."""
+    try:
+        names = sorted(os.listdir(d))
+    except PermissionError:
+        return _cannot(d, "listed")
+    except OSError:
+        return None
+    if not parts:
+        return None
+    if parts[0] == "**" and (why := _walk_denied(d, parts[1:], budget)):  # '**' may match no directory
+        return why
+    for name in names:
+        sub = os.path.join(d, name)
+        if (parts[0] != "**" and not fnmatch.fnmatchcase(name, parts[0])) or not os.path.isdir(sub):
+            continue
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        if not os.access(sub, os.X_OK):
+            return _cannot(sub, "searched")
+        if why := _walk_denied(sub, parts if parts[0] == "**" else parts[1:], budget):
+            return why
     return None
 
 

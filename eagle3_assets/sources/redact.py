@@ -18,12 +18,24 @@ format has them) and redacted only when stdnum's validator accepts it, so an ord
 check digits fail is kept. `[NATIONAL_ID]`: a person's number: US SSN, BR CPF, IN Aadhaar and PAN, ES DNI/NIE, IT
 codice fiscale, FR NIR (sécurité sociale), MX CURP, CN resident ID. `[COMPANY_ID]`: BR CNPJ and EU VAT numbers (by
 country prefix). `[IBAN]`: any country's IBAN. A format with no check digit (US SSN; IN PAN, a shape and a holder
-letter) is a candidate only in its own written shape (NNN-NN-NNNN, AAAPA9999A), never as bare digits. Bare digit
+letter) is a candidate only in its own written shape (NNN-NN-NNNN, AAAPA9999A), never as bare digits. An SSN-shaped
+number is taken when stdnum's `us.ssn` accepts it (no area 000, 666 or 9xx, no group 00, no serial 0000, none of the
+numbers known to be invalid) and no order-ish word stands right before it (_ORDER_BEFORE: order, invoice, ticket,
+tracking, ref/reference, confirmation, case, PO, SKU, part, item, model, serial, '#', 'No.'): a gateway's `Order
+#482-19-7305` is an order id and is kept; a personal word in the same clause (SSN, social security: _PERSONAL_BEFORE)
+takes it all the same (`SSN #536-22-1847`), and so does plain text with no such word. Bare digit
 runs are taken where the check is strong: CPF and CNPJ (2 check digits: 1 random number in 100 passes), FR NIR (1 in
 97), CN resident ID (a birth date and a check); an Aadhaar (12 digits, 2-9 first, one Verhoeff digit) passes for 1
 such number in 10: taken all the same, since a leaked ID costs more than an id-like number lost from a prompt. Left
 out: bare digits with one check digit or none (DE IdNr, PT NIF; GB NINO: stdnum has none), which would take order
 numbers; their VAT forms (DE..., PT...) are found.
+
+`[IP_ADDRESS]`: a valid IPv4 dotted quad, or a valid IPv6 address of three groups or more. A dotted quad that is a
+version is kept (_VERSION_BEFORE): after `version`, `ver`, `v`, `release` or `build` (any case, then an optional ':'
+and spaces: `version 4.10.2.7`, `Build: 1.2.3.4`), glued to a `v` (`v4.10.2.7`), after a version specifier's operator
+(`foo==4.10.2.7`, `>=`, `<=`, `!=`, `~=`, `===`), after a package name and '@' (`foo@1.2.3.4`; not in a login, which
+is an address: `ssh root@10.0.0.5`, `user@10.0.0.5:path`), or in a release's file name (`foo-1.2.3.4.tar.gz`,
+`foo-1.2.3.4-py3-none-any.whl`). A bare `10.0.0.5` or `connect to 192.168.1.20` is an address.
 
 `[URL_CREDENTIAL]`: the user-info of a URL (`https://TOKEN@github.com/...`, `postgres://user:PASS@host/db`)
 becomes `https://[URL_CREDENTIAL]@github.com/...`: scheme, host and path kept, and nothing inside it is counted
@@ -57,9 +69,23 @@ _SECRET_KINDS = {"a private key (PEM block)": "private_key", "a bearer token": "
 _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
                     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*\.[A-Za-z]{2,}\b")
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)")
+# What makes a dotted quad a version, read in the text right before it (and after it, for a file name): a version
+# word, a version specifier's operator, a package name and '@' (not a login: ssh/scp/... before it, or a ':path'
+# after it), a release's file name (name-1.2.3.4.tar.gz, name-1.2.3.4-py3-none-any.whl)
+_VERSION_BEFORE = re.compile(r"(?:\b(?:version|ver|v|release|build)\s*:?\s*|(?:===?|[!~<>]=)\s*)\Z", re.I)
+_PIN_BEFORE = re.compile(r"(?<![\w.@/-])@?[A-Za-z][\w.-]*(?:/[A-Za-z][\w.-]*)?@\Z")
+_LOGIN_BEFORE = re.compile(r"\b(?:ssh|scp|sftp|rsync|mosh|telnet|ftp|log\s*in)\b[^\n]*\Z", re.I)
+_FILE_BEFORE, _FILE_AFTER = re.compile(r"[A-Za-z][\w.+]*-\Z"), re.compile(r"(?:\.[A-Za-z]|-[A-Za-z\d])")
 # hex groups joined by ':' (a '::' somewhere), an IPv4 tail allowed, a zone (%eth0) allowed; ipaddress decides
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{1,4}|:)(?::[0-9A-Fa-f]{0,4}){2,7}(?:\.\d{1,3}){0,3}(?:%[\w.]+)?"
                    r"(?![\w:])")
+# An SSN-shaped number right after one of these is an order-ish id (`Order #482-19-7305`, `invoice no. ...`,
+# `ref: ...`), unless a personal word stands in the same clause before it (`SSN #...`, `social security no. ...`;
+# the clause ends at a '.' before a word, not at 'No. 482')
+_ORDER_BEFORE = re.compile(r"(?:\b(?:order|invoice|ticket|tracking|ref|reference|confirmation|case|po|sku|part|item|"
+                           r"model|serial)(?:\s*(?:number|num|no|nr|id|code)\b)?\.?|#|\bno\.)\s*[:#]?\s*\Z", re.I)
+_PERSONAL_BEFORE = re.compile(r"\b(?:ssn|ssa|social\s+security|soc\.?\s*sec|taxpayer|itin)\b"
+                              r"(?:[^\n.;!?]|\.(?!\s+[A-Z]))*\Z", re.I)
 # 13-19 digits, single spaces or dashes between them (4111 1111 1111 1111, 4111-1111-1111-1111)
 _CARD = re.compile(r"(?<![\d.,-])\d(?:[ -]?\d){12,18}(?![\d]|[.,]\d)")
 # a URL's user-info: what stands between '://' and the authority's last '@' (a password may hold an unescaped '@')
@@ -70,8 +96,8 @@ _URL_USERINFO = re.compile(r"(?<=[A-Za-z0-9+.-])://([^\s/?#<>\"'`]+)@")
 _L, _R = r"(?<![\w.,/-])", r"(?![\w]|[.,/-]\w)"
 _EU_VAT = "|".join(sorted({c.upper() for c in vat.MEMBER_STATES} | {"EL"}))
 _IDS = (
-    # SSN: no check digit (stdnum refuses only unissued areas/groups): only its dashed or spaced shape, never 9 bare
-    # digits, or most 9-digit numbers would go
+    # SSN: no check digit (stdnum refuses only unissued areas/groups and known-invalid numbers): only its dashed or
+    # spaced shape, never 9 bare digits, or most 9-digit numbers would go; and not after an order-ish word
     ("national_id", re.compile(_L + r"\d{3}([- ])\d{2}\1\d{4}" + _R), (ssn,), False),
     ("national_id", re.compile(_L + r"\d{3}\.?\d{3}\.?\d{3}-?\d{2}" + _R), (cpf,), False),  # 2 check digits
     ("company_id", re.compile(_L + r"\d{2}\.?\d{3}\.?\d{3}/?\d{4}-?\d{2}" + _R), (cnpj,), False),  # 2 check digits
@@ -120,12 +146,22 @@ def _ipv6(text: str) -> bool:
     return sum(bool(g) for g in groups) + ("." in groups[-1]) >= 3  # an IPv4 tail holds two groups
 
 
-def _ipv4(text: str) -> bool:
+def _ipv4(text: str, start: int, end: int) -> bool:
+    """A valid dotted quad at text[start:end] that is no version (_VERSION_BEFORE and the patterns beside it)."""
     try:
-        ipaddress.IPv4Address(text)
+        ipaddress.IPv4Address(text[start:end])
     except ValueError:
         return False
-    return True
+    before = text[max(0, start - 80):start]
+    if _VERSION_BEFORE.search(before) or (_FILE_BEFORE.search(before) and _FILE_AFTER.match(text, end)):
+        return False
+    return not (_PIN_BEFORE.search(before) and text[end:end + 1] != ":" and not _LOGIN_BEFORE.search(before))
+
+
+def _order_id(text: str, start: int) -> bool:
+    """Whether the SSN-shaped number at `start` follows an order-ish word, and no personal word: an order's id."""
+    before = text[max(0, start - 60):start]
+    return bool(_ORDER_BEFORE.search(before)) and not _PERSONAL_BEFORE.search(before)
 
 
 class Redactor:
@@ -146,10 +182,12 @@ class Redactor:
                     # from the run's start (lookbehinds still see the text before it) to 2 characters past its end,
                     # all that the patterns' lookaheads read
                     for m in pattern.finditer(text, run.start(), run.end() + 2):
+                        if validators == (ssn,) and _order_id(text, m.start()):
+                            continue
                         if end := _valid_id(m.group(), validators, trim):
                             found.append((kind, m.start(), m.start() + end))
         found += [("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
-        found += [("ip_address", m.start(), m.end()) for m in _IPV4.finditer(text) if _ipv4(m.group())]
+        found += [("ip_address", m.start(), m.end()) for m in _IPV4.finditer(text) if _ipv4(text, m.start(), m.end())]
         found += [("ip_address", m.start(), m.end()) for m in _IPV6.finditer(text) if _ipv6(m.group())]
         found += [("credit_card", m.start(), m.end()) for m in _CARD.finditer(text)
                   if _luhn(re.sub(r"[ -]", "", m.group()))]

@@ -1,6 +1,7 @@
 """National identifiers, company tax numbers, IBANs and URL credentials out of traffic text (sources/redact.py):
 each planted value is redacted and counted once under its kind; a number of the same shape whose check digits
-fail is kept (an order number is no CPF); a credential in a URL is no e-mail address."""
+fail is kept (an order number is no CPF); a credential in a URL is no e-mail address; a dotted quad that is a
+version, and an SSN-shaped number after an order word, are kept (issue 58)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,44 @@ def test_a_credential_in_a_url_is_its_own_kind_and_keeps_scheme_and_host():
     assert "postgres://[URL_CREDENTIAL]@db.example.com:5432/app" in text
     assert found == {"url_credential": 2, "email": 2}  # each address once; no credential read as an address
     assert {"url_credential", "national_id", "company_id", "iban"} <= set(KINDS)  # each reaches redacted_<kind>
+
+
+# Issue 58: what a prompt about software or an order carries is no personal data, and stays in the training text.
+VERSIONS = ["Upgraded to version 4.10.2.7 and the build broke.", "Build: 1.2.3.4 fails, Release 10.0.0.5 works.",
+            "ver 2.0.0.1 and v4.10.2.7 and V 1.2.3.4", "pip install 'foo==4.10.2.7' 'bar>=1.2.3.4' 'baz~=10.0.0.5'",
+            "npm i foo@1.2.3.4 @scope/bar@10.0.0.5", "Download foo-1.2.3.4.tar.gz or foo-1.2.3.4-py3-none-any.whl."]
+ADDRESSES = [("10.0.0.5", "[IP_ADDRESS]"), ("connect to 192.168.1.20", "connect to [IP_ADDRESS]"),
+             ("ssh root@10.0.0.5", "ssh root@[IP_ADDRESS]"), ("git@10.0.0.5:app.git", "git@[IP_ADDRESS]:app.git"),
+             ("hosts 10.0.0.1-10.0.0.9 and server-10.0.0.5", "hosts [IP_ADDRESS]-[IP_ADDRESS] and server-[IP_ADDRESS]"),
+             ("the version on 10.0.0.5", "the version on [IP_ADDRESS]")]
+
+
+@pytest.mark.parametrize("text", VERSIONS)
+def test_a_dotted_quad_that_is_a_version_is_kept(text):
+    assert Redactor().redact(text) == (text, {})
+
+
+@pytest.mark.parametrize("text, redacted", ADDRESSES)
+def test_a_dotted_quad_that_is_an_address_is_still_redacted(text, redacted):
+    assert Redactor().redact(text) == (redacted, {"ip_address": redacted.count("[IP_ADDRESS]")})
+
+
+# SSN-shaped numbers that stdnum accepts (an SSN has no check digit: its shape and its ranges are all there is)
+ORDER_IDS = ["Order #482-19-7305 shipped", "Invoice no. 482-19-7305 is overdue", "tracking number: 482-19-7305",
+             "Ref 482-19-7305, ticket 536-22-1847 and case #482-19-7305", "PO 482-19-7305 / SKU 536-22-1847",
+             "#482-19-7305 and No. 536-22-1847"]
+PERSONAL = ["My SSN is 482-19-7305, please update it.", "SSN #482-19-7305", "social security no. 482-19-7305",
+            "482-19-7305", "Her number is 482-19-7305 and mine is 536-22-1847."]
+
+
+@pytest.mark.parametrize("text", ORDER_IDS)
+def test_an_ssn_shaped_number_after_an_order_word_is_an_order_id_and_is_kept(text):
+    assert all(ssn.is_valid(n) for n in ("482-19-7305", "536-22-1847"))  # shaped and ranged as SSNs
+    assert Redactor().redact(text) == (text, {})
+
+
+@pytest.mark.parametrize("text", PERSONAL)
+def test_an_ssn_in_a_personal_context_is_still_redacted(text):
+    redacted, found = Redactor().redact(text)
+    assert "482-19-7305" not in redacted and "536-22-1847" not in redacted
+    assert found == {"national_id": redacted.count("[NATIONAL_ID]")} and "[NATIONAL_ID]" in redacted
