@@ -261,6 +261,11 @@ def decide(args) -> int:
     return 0 if res.success else 1
 
 
+def _one_line(text) -> str:
+    """A table cell: a restart's multi-line error (or a reason typed with newlines) kept on its row."""
+    return " ".join(str(text).split())
+
+
 def show_production(args) -> int:
     instance = _instance()
     from .loop import production
@@ -274,7 +279,7 @@ def show_production(args) -> int:
         days = h.get("traffic_days") or []
         print(f"{'now' if i == 0 else '   '}  {when}  {h['version'][:12]}  {h['decision']:22}  replaced "
               f"{str(h.get('replaced'))[:12]:12}" + (f"  traffic {', '.join(days)}" if days else "")
-              + (f"  ({h['why']})" if h.get("why") else ""))
+              + (f"  ({_one_line(h['why'])})" if h.get("why") else ""))
     servers, why = _servers(args.engine)
     where = production.on_servers(instance, args.engine, servers or [])
     if why and os.environ.get("EAGLE3_SERVERS"):
@@ -287,7 +292,7 @@ def show_production(args) -> int:
     for name, w in sorted(where.items()):
         same = (w["drafter"] or "").rstrip("/") == want
         differ += [] if same else [name]
-        print(f"  {name:16} serves {w['drafter'] or 'unknown'}  ({w['how']})" + ("" if same else "  DIFFERS"))
+        print(f"  {name:16} serves {w['drafter'] or 'unknown'}  ({_one_line(w['how'])})" + ("" if same else "  DIFFERS"))
     if differ:
         print(f"{len(differ)} of {len(where)} servers differ from the record ({', '.join(differ)}): `eagle3-assets "
               f"promote|rollback ... --rollout`, or launch the rollout_drafter job for partition {args.engine}")

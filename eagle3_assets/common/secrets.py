@@ -13,11 +13,17 @@ import re
 from collections import Counter
 
 # Environment names under which a value is a secret whatever it looks like (HF_TOKEN, WANDB_API_KEY, WANDB_KEY,
-# HF_AUTH, AWS_SECRET_ACCESS_KEY); TOKENIZERS_PARALLELISM is not one, nor a name for where a secret lies
-# (HF_HUB_TOKEN_PATH, SSH_KEY_FILE: a path, the safe way this module's refusals advise; its value is still judged).
+# HF_AUTH, AWS_SECRET_ACCESS_KEY); TOKENIZERS_PARALLELISM is not one. A name for where a secret lies (HF_HUB_TOKEN_PATH,
+# SSH_KEY_FILE, and the standard ones below) holds a path, the safe way this module's refusals advise, but only a value
+# that looks like a path passes under it: `API_KEY_FILE: hunter2-Deploy!` is the secret itself.
 SECRET_NAME = re.compile(r"TOKEN(?!IZ)|SECRET|PASSW|PASSPHRASE|API_?KEY|(^|_)KEY(_|$)|(^|_)AUTH(_|$)|CREDENTIAL"
                          r"|PRIVATE|COOKIE", re.IGNORECASE)
 PATH_NAME = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
+# Standard variables that name a secret's file or socket, not the secret (Google's key file, ssh-agent's socket)
+PATH_HOLDERS = frozenset({"GOOGLE_APPLICATION_CREDENTIALS", "SSH_AUTH_SOCK", "CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE"})
+# A path: no spaces, quotes, '!' or '$'; with a '/', a leading '~' or '.', or a file extension
+_PATH = re.compile(r"[\w.~@+:/-]+")
+_PATHLIKE = re.compile(r"/|^[~.]|\.[A-Za-z0-9]{1,10}$")
 
 # Values that are secrets wherever they stand: the kind, then the pattern. Prefixes as the issuers document them.
 _KINDS: tuple[tuple[str, re.Pattern], ...] = (
@@ -67,16 +73,39 @@ def secret_kind(value: str) -> str | None:
     return None
 
 
-def secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name)) and not PATH_NAME.search(name)
+def looks_like_path(value: str) -> bool:
+    """An absolute or relative file path (/secrets/sa.json, ~/.hf/token, token.txt), not a secret of its own."""
+    return bool(_PATH.fullmatch(value)) and bool(_PATHLIKE.search(value)) and secret_kind(value) is None
 
 
-# In messages only (a command's output, a URL), whatever the value looks like: what an option named as a secret
-# is given (--token=...), a URL's user:password@. The name kept (group 1), the value replaced.
+def holds_path(name: str) -> bool:
+    """A name for where a secret lies: *_PATH, *_FILE, *_DIR, or a standard one (GOOGLE_APPLICATION_CREDENTIALS)."""
+    return bool(PATH_NAME.search(name)) or name.upper() in PATH_HOLDERS
+
+
+def secret_name(name: str, value: str | None = None) -> bool:
+    """Whether `value` under environment name `name` is a secret by its name: a secret's name, unless the name is
+    one for where a secret lies and the value (when given) looks like a path."""
+    if not SECRET_NAME.search(name):
+        return False
+    return not holds_path(name) or (value is not None and not looks_like_path(value))
+
+
+# In messages only (a command's output, a URL), whatever the value looks like. The name kept (group 1), the value
+# replaced: what an option named as a secret is given (--token=..., --password Winter-2026!, PGPASSWORD=...), a
+# long hex or base64 run said beside such a word (token: 5e0c9a7b...), a URL's user:password@ with a scheme or
+# without (svc:pw@10.0.0.5:8000). A value already replaced is left as it is: scrubbing twice changes nothing.
+_SECRET_WORD = r"(?:token|secret|passw(?:or)?d|passphrase|pwd|api[-_]?key|access[-_]?key|key|auth|credentials?)"
+_VALUE = r"(?!\[[^\]]*not shown\])(?:\"[^\"\n]*\"|'[^'\n]*'|[^\s'\",]+)"
 _IN_MESSAGES: tuple[tuple[str, re.Pattern], ...] = (
-    ("a secret", re.compile(r"((?<![\w-])--?[\w-]*(?:token|secret|passw\w*|api-?key|auth)=)[^\s'\",]+", re.I)),
-    ("a URL's credentials", re.compile(r"(://)[^\s/@:'\"]+:[^\s/@'\"]+(?=@)")),
-)
+    ("a secret", re.compile(rf"((?<![\w-])--?[\w-]*{_SECRET_WORD}(?:=|[ \t]+(?!-)))" + _VALUE, re.I)),
+    ("a secret", re.compile(rf"((?<![\w-])[A-Za-z_]*{_SECRET_WORD}=)" + _VALUE, re.I)),
+    ("a secret", re.compile(rf"(\b{_SECRET_WORD}\b[\"']?[ \t]*[:=]?[ \t]*[\"']?)"
+                            r"(?![^\s]*not shown\])(?=[A-Za-z0-9+/_-]*[0-9])([A-Fa-f0-9]{16,}|[A-Za-z0-9+/_-]{20,}={0,2})"
+                            r"(?![\w+/=-])", re.I)),
+    ("a URL's credentials", re.compile(r"(://)(?!\[[^\]]*not shown\])[^\s/@:'\"]+:[^\s/@'\"]+(?=@)")),
+    ("a URL's credentials", re.compile(r"((?<![\w.+/:@-])[A-Za-z][\w.+-]*:)(?!//)(?!\[[^\]]*not shown\])"
+                                       r"[^\s/@:'\"]+(?=@[\w.-])")),)
 
 
 def scrub(text: str) -> str:
@@ -110,8 +139,9 @@ def find_secrets(value, where: str = "", names: bool = True) -> list[str]:
     if isinstance(value, dict):
         for k, v in value.items():
             at = f"{where}.{k}" if where else str(k)
-            if names and isinstance(v, str) and v and secret_name(str(k)):
-                found.append(f"{at}: its name says it is a secret")
+            if names and isinstance(v, str) and v and secret_name(str(k), v):
+                found.append(f"{at}: " + ("its name says it holds a secret's path, but its value is not a path"
+                                          if holds_path(str(k)) else "its name says it is a secret"))
             else:
                 found += find_secrets(v, at)
     elif isinstance(value, (list, tuple)):

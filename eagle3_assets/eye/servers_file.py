@@ -12,6 +12,7 @@ import dagster as dg
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..common.secrets import scrub
 from ..stages.base import plain_name
 
 SERVERS_ENV = "EAGLE3_SERVERS"
@@ -57,7 +58,7 @@ class Server(BaseModel):
                              "UI; give the bare URL and put credentials elsewhere (a proxy or the network in front "
                              "of the server, never this file)")
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"{v!r} is not an http(s) URL: give the server's base URL, e.g. http://127.0.0.1:8000")
+            raise ValueError(f"{scrub(repr(v))} is not an http(s) URL: give the server's base URL, e.g. http://127.0.0.1:8000")
         return v.rstrip("/")
 
 
@@ -86,9 +87,19 @@ class DriftSettings(BaseModel):
     replay_limit: int = Field(default=48, gt=0, description="traffic prompts a report's replay takes")
     offline_interval_s: int = Field(default=600, ge=10, description="how often the traffic drift sensor looks for a "
                                     "new traffic day (when it is turned on)")
-    collapse_below: float = Field(default=1.1, ge=1, description="a window (of min_drafts steps or more) whose "
-                                  "acceptance length is at most this is a collapse, not drift: the drafter's tokens "
-                                  "are almost never accepted, an integration fault; an error, never a retraining")
+    collapse_ratio: float = Field(default=0.25, gt=0, lt=1, description="a window (of min_drafts steps or more) "
+                                  "whose first draft position is accepted at most this fraction as often as on the "
+                                  "drafter's benchmark is a suspected collapse (the first position's acceptance is "
+                                  "the same at every k): the drift report tells a collapse of the server's integration "
+                                  "(an error, never retrained) from traffic the drafter never saw (drift)")
+    collapse_below: float = Field(default=1.1, ge=1, description="where the benchmark gives no figure per position: "
+                                  "a window whose first draft position is accepted on at most collapse_below - 1 of "
+                                  "its steps (1.1: 10 %) is a suspected collapse")
+    probe_prompts: int = Field(default=4, ge=0, description="a suspected collapse's report sends this many prompts "
+                               "of the drafter's benchmark to the server (greedy, probe_tokens each): accepted as on "
+                               "the benchmark, the server's integration works and the traffic moved (drift); near "
+                               "nothing, a collapse. 0: no probes (the served config and the traffic's kinds judge)")
+    probe_tokens: int = Field(default=32, gt=0, description="tokens each probe asks for")
     unjudged_after_s: int = Field(default=3600, ge=0, description="a server whose live acceptance could not be judged "
                                   "for this long (no reference figure, too few steps, another k) is reported: its "
                                   "check turns from a warning to an error (0: never)")
@@ -114,7 +125,9 @@ def load_servers(path: str) -> ServersFile:
         parsed = ServersFile.model_validate(data)
     except ValidationError as e:
         bad = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(file)'}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"{where}: {bad} (expected servers: [{{name, url, engine, drafter}}], interval_s, "
+        # every message quoting a value goes through scrub: it reaches the daemon log, the sensors' stored skip
+        # reasons and descriptions (schedules.db, the UI)
+        raise ValueError(scrub(f"{where}: {bad}") + " (expected servers: [{name, url, engine, drafter}], interval_s, "
                          "drift: {window_s, min_drafts, live_drop, offline_drop, ...})") from None
     names = [s.name for s in parsed.servers]
     if len(set(names)) != len(names):

@@ -21,7 +21,7 @@ from typing import Any
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from ..common.secrets import secret_kind, secret_name
+from ..common.secrets import holds_path, secret_kind, secret_name
 from ..common.worker_env import NO_BAR_ENV
 from . import preflight
 from .base import GpuHost, StageRun, stage_outcome
@@ -164,7 +164,8 @@ class K8sHost(GpuHost):
     @classmethod
     def _no_secret_in_env(cls, v: dict[str, str]) -> dict[str, str]:
         for key, value in v.items():  # by its name (HF_TOKEN, WANDB_KEY, HF_AUTH) or by its value (hf_..., a PEM)
-            kind = "its name says it is a secret" if secret_name(key) else secret_kind(str(value))
+            kind = ("its name says it holds a secret's path, but its value is not a path" if holds_path(key) else
+                    "its name says it is a secret") if secret_name(key, str(value)) else secret_kind(str(value))
             if kind:
                 raise ValueError(f"env.{key} looks like a secret ({kind}; not shown), and env values are written into "
                                  f"the pod spec (readable by anyone who can get pods): put it in a Kubernetes Secret "

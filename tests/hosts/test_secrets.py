@@ -172,3 +172,32 @@ def test_stage_arguments_and_host_secrets_stay_off_command_lines_and_shared_file
     assert secret not in _instance_text(built.instance, res.run_id)
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("prepare_target-args-*")), "the local args file is removed"
     built.materialize("target_model")  # leave the shared graph's target as it was
+
+
+# ---- messages: a flag's value as its own word, a URL without a scheme, scrubbing twice ---------------------------
+@pytest.mark.parametrize("text, secret", [
+    ("+ kubectl rollout restart deploy/vllm-s1 --token 5e0c9a7b1f3d5b7a9c1f3d5b7a9c1f3d5b7a9ce2", "5e0c9a7b1f3d"),
+    ("login --password Winter-Deploy-2026! refused", "Winter-Deploy"),
+    ("curl -u x --api-key 'two words' https://h", "two words"),
+    ("PGPASSWORD=s3cr3t psql -h db", "s3cr3t"),
+    ("auth token: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b rejected", "9f86d081884c"),
+    ("'svc:hunter2-Deploy@127.0.0.1:19541' is not an http(s) URL", "hunter2-Deploy"),
+    ("http://admin:pw-1234@10.0.0.5:8000/metrics", "pw-1234"),
+])
+def test_scrub_takes_a_secret_said_in_each_way_and_scrubbing_twice_changes_nothing(text, secret):
+    from eagle3_assets.common.secrets import scrub
+
+    once = scrub(text)
+    assert secret not in once and "not shown]" in once, once
+    assert scrub(once) == once
+
+
+@pytest.mark.parametrize("text", [
+    "vllm serve /m --max-num-batched-tokens 8192 --tokenizer /m --no-auth --port 8000",
+    "version 4.10.2.7 of the key-value cache; token ids 128000-128255",
+    "--speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}'",
+])
+def test_scrub_leaves_what_is_no_secret(text):
+    from eagle3_assets.common.secrets import scrub
+
+    assert scrub(text) == text
