@@ -5,6 +5,30 @@ server never came up)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+# In a servers file's restart command: the path of the speculative config written beside the drafter's export
+SPEC_CONFIG = "{speculative_config}"
+LAUNCH_NAMES = {"vllm": "speculative_config.vllm.json", "sglang": "adaptive.sglang.json"}
+
+
+def launch_file(drafter: str, engine: str) -> Path:
+    """The speculative config the speculation schedule wrote beside an export (exports/<v>/<engine>-launch/)."""
+    return Path(drafter).parent / f"{engine}-launch" / LAUNCH_NAMES.get(engine, LAUNCH_NAMES["sglang"])
+
+
+def render(parts: list[str], drafter: str, engine: str) -> list[str]:
+    """A restart command as it runs: {drafter} the export's path, {speculative_config} the path of the launch file
+    beside it (FileNotFoundError when the command asks for one that is not there)."""
+    parts = [part.replace("{drafter}", drafter) for part in parts]
+    if any(SPEC_CONFIG in part for part in parts):
+        spec = launch_file(drafter, engine)
+        if not spec.is_file():
+            raise FileNotFoundError(f"the restart command asks for {SPEC_CONFIG} but {spec} does not exist: "
+                                    "materialize speculation_schedule for this drafter, or take the placeholder out "
+                                    "of the servers file")
+        parts = [part.replace(SPEC_CONFIG, str(spec)) for part in parts]
+    return parts
 
 
 def launch_facts(argv: list[str]) -> dict:
@@ -18,6 +42,8 @@ def launch_facts(argv: list[str]) -> dict:
 
     method = last("--speculative-algorithm")
     if (spec := last("--speculative-config")) is not None:
+        if not spec.lstrip().startswith("{") and Path(spec).is_file():  # vLLM takes a file's path as well
+            spec = Path(spec).read_text()
         try:
             method = json.loads(spec).get("method")
         except (ValueError, AttributeError):

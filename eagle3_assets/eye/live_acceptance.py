@@ -34,21 +34,38 @@ TICK_CAP_S = 30.0  # every server's read within this (Dagster's 60 s per tick, l
 
 
 # ---- one read of one server -----------------------------------------------------------------------------
-def _get(url: str, timeout_s: float) -> bytes:
+MAX_BODY = 16 << 20  # a /metrics page is kilobytes; more is not a server to trust with memory
+
+
+def http_get(url: str, timeout_s: float) -> bytes:
+    """The body within `timeout_s` in all: a socket's timeout bounds each read, not a body trickled a byte at a
+    time, whose reader would outlive the tick (and pile up, one a tick)."""
+    deadline = time.monotonic() + timeout_s
     with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (the user's own server URL)
-        return r.read()
+        body = bytearray()
+        while chunk := r.read1(65536):
+            body += chunk
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"its answer was still coming after {timeout_s:g} s ({len(body)} bytes)")
+            if len(body) > MAX_BODY:
+                raise ValueError(f"its answer is over {MAX_BODY >> 20} MB")
+        return bytes(body)
+
+
+def server_info(server: Server) -> dict | None:
+    """vLLM's /server_info (a dev-mode route: VLLM_SERVER_DEV_MODE=1), or None where the server does not give it."""
+    try:
+        info = json.loads(http_get(f"{server.url}/server_info?config_format=json", server.timeout_s))
+    except (OSError, ValueError):  # not in dev mode (404), or not JSON
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def _vllm_drafter(server: Server) -> tuple[str | None, str]:
-    """The drafter a vLLM server serves: its own word where it gives it (/server_info, a dev-mode route), else
-    the servers file's."""
-    try:
-        info = json.loads(_get(f"{server.url}/server_info?config_format=json", server.timeout_s))
-        spec = (info.get("vllm_config") or {}).get("speculative_config") or {}
-        if isinstance(spec, dict) and spec.get("model"):
-            return str(spec["model"]), "server"
-    except (OSError, ValueError):  # not in dev mode (404), or not JSON: the file says
-        pass
+    """The drafter a vLLM server serves: its own word where it gives it (/server_info), else the servers file's."""
+    spec = ((server_info(server) or {}).get("vllm_config") or {}).get("speculative_config") or {}
+    if isinstance(spec, dict) and spec.get("model"):
+        return str(spec["model"]), "server"
     return server.drafter, "config"
 
 
@@ -70,7 +87,7 @@ def read(server: Server, timeout_s: float | None = None) -> dict:
     server = server.model_copy(update={"timeout_s": min(server.timeout_s, timeout_s or server.timeout_s)})
     try:
         if server.engine == "vllm":
-            text = _get(f"{server.url}/metrics", server.timeout_s).decode()
+            text = http_get(f"{server.url}/metrics", server.timeout_s).decode()
             counters = spec_counters.vllm_counters(text)
             if not counters["present"]:
                 return {"ok": False, "error": "its /metrics has no vllm:spec_decode_* counters: it serves without "
@@ -80,7 +97,7 @@ def read(server: Server, timeout_s: float | None = None) -> dict:
             drafter, told = _vllm_drafter(server)
             counters["load"] = spec_counters.vllm_load(text)
             return {"ok": True, "counters": counters, "drafter": drafter, "drafter_from": told}
-        info = json.loads(_get(f"{server.url}/get_server_info", server.timeout_s))
+        info = json.loads(http_get(f"{server.url}/get_server_info", server.timeout_s))
         states = info.get("internal_states") or [{}]
         return {"ok": True, "since_start": states[0].get("avg_spec_accept_length"),
                 "drafter": info.get("speculative_draft_model_path") or server.drafter,

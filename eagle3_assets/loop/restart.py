@@ -16,23 +16,17 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from ..common import spec_schedule
+from ..common import process_group, spec_schedule
+from ..common.launch import launch_file, render
 from ..common.secrets import scrub
+from ..eye.live_acceptance import server_info
 from ..eye.servers_file import Server
-
-SPEC_CONFIG = "{speculative_config}"
-
-
-def launch_file(drafter: str, engine: str) -> Path:
-    """The speculative config the speculation schedule wrote beside an export (exports/<v>/<engine>-launch/)."""
-    name = "speculative_config.vllm.json" if engine == "vllm" else "adaptive.sglang.json"
-    return Path(drafter).parent / f"{engine}-launch" / name
-
 
 SCHEDULE_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
 
@@ -61,15 +55,7 @@ def launch_differs(drafter: str, engine: str, schedule: list) -> str | None:
 def command(server: Server, drafter: str) -> list[str]:
     """The restart command with {drafter} (the export's path) and {speculative_config} (the path of the file its
     speculation schedule wrote beside it: the server starts with the schedule by load measured for that drafter)."""
-    parts = [part.replace("{drafter}", drafter) for part in server.restart or []]
-    if any(SPEC_CONFIG in part for part in parts):
-        spec = launch_file(drafter, server.engine)
-        if not spec.is_file():
-            raise FileNotFoundError(f"the restart command asks for {SPEC_CONFIG} but {spec} does not exist: "
-                                    "materialize speculation_schedule for this drafter, or take the placeholder out "
-                                    "of the servers file")
-        parts = [part.replace(SPEC_CONFIG, str(spec)) for part in parts]
-    return parts
+    return render(list(server.restart or []), drafter, server.engine)
 
 
 def healthy(url: str, timeout_s: float = 5.0) -> bool:
@@ -82,42 +68,50 @@ def healthy(url: str, timeout_s: float = 5.0) -> bool:
 
 def told_drafter(server: Server) -> str | None:
     """The drafter the server says it serves (vLLM's /server_info, registered in dev mode only), or None."""
-    try:
-        with urllib.request.urlopen(f"{server.url}/server_info?config_format=json", timeout=server.timeout_s) as r:  # noqa: S310
-            spec = (json.loads(r.read()).get("vllm_config") or {}).get("speculative_config") or {}
-        return str(spec["model"]) if isinstance(spec, dict) and spec.get("model") else None
-    except (OSError, ValueError):
-        return None
+    spec = ((server_info(server) or {}).get("vllm_config") or {}).get("speculative_config") or {}
+    return str(spec["model"]) if isinstance(spec, dict) and spec.get("model") else None
 
 
-def run_command(argv: list[str], timeout_s: float) -> str | None:
+def run_command(argv: list[str], timeout_s: float, log: Callable[[str], None] = lambda _: None) -> str | None:
     """Run a restart command: None when it exits 0, else why not, never quoting its arguments (a team's command may
     carry a token: kubectl --token=...; messages reach the event log, the metadata and the CLI) and its output
     scrubbed. It runs in a process group of its own, killed whole on timeout: a `bash -c` wrapper's children would
-    otherwise run on and switch the server after the rollout reported it rolled back."""
+    otherwise run on and switch the server after the rollout reported it rolled back.
+
+    Its exit is what is waited for, not the end of its output: a command that starts the server in the background
+    (`nohup vllm serve ... &`) leaves it holding the output, and is done. Its output goes to a file (0600) rather
+    than a pipe, so such a server keeps writing somewhere once the command is gone (to a closed pipe its next log
+    line would fail); the file is removed unless a process the command detached still runs, which is left alone."""
     program = scrub(os.path.basename(argv[0])) if argv else "no command"
+    out = tempfile.NamedTemporaryFile(prefix="eagle3-restart-", suffix=".log", delete=False)  # noqa: SIM115
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     except OSError as e:
+        out.close()
+        os.unlink(out.name)
         return f"its restart command ({program}) could not start: {e.strerror}"
+    out.close()  # the command holds its own copy
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the group this Popen made: its pgid is its pid
         except ProcessLookupError:
             pass
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a child that left the group holds the pipes: stop reading them
-            proc.kill()
-            proc.wait()
+        proc.wait()
+        os.unlink(out.name)
         return (f"its restart command ({program}) did not finish within {timeout_s:g} s (restart_timeout_s in the "
                 "servers file): it was killed with its whole process group")
-    if proc.returncode != 0:
-        said = scrub((err or out or "").strip()[-500:])
-        return f"its restart command ({program}) exited {proc.returncode}" + (f": {said}" if said else "")
+    said = Path(out.name).read_bytes()[-4000:].decode(errors="replace")
+    if process_group.alive(proc.pid):
+        log(f"its restart command ({program}) left processes running (process group {proc.pid}): left alone, their "
+            f"output goes to {out.name}")
+    else:
+        os.unlink(out.name)
+    if code != 0:
+        said = scrub(said.strip()[-500:])
+        return f"its restart command ({program}) exited {code}" + (f": {said}" if said else "")
     return None
 
 
@@ -129,7 +123,7 @@ def restart(server: Server, drafter: str, log: Callable[[str], None]) -> str | N
         return str(e)
     # the program only: a team's restart command may carry a token (kubectl --token=...), and logs are widely read
     log(f"{server.name}: restarting with {drafter} ({scrub(argv[0]) if argv else 'no command'} ...)")
-    if why := run_command(argv, server.restart_timeout_s):
+    if why := run_command(argv, server.restart_timeout_s, log):
         return why
     deadline = time.monotonic() + server.ready_timeout_s
     while time.monotonic() < deadline:

@@ -11,6 +11,7 @@ from pydantic import Field
 from ..assets.partitions import engine_partitions
 from ..assets.speculation_schedule import schedule_for
 from ..code_versions import code_version
+from ..common.launch import SPEC_CONFIG
 from ..eye import served
 from ..eye.servers_file import SERVERS_ENV, load_servers
 from . import production
@@ -52,7 +53,7 @@ def rollout(context: dg.AssetExecutionContext, config: RolloutConfig) -> dg.Mate
     except ValueError as e:  # the file's own message names the field; no traceback to read through
         raise dg.Failure(description=str(e), allow_retries=False) from None
     new, done = prod["export_path"], {}
-    if any(servers_rollout.SPEC_CONFIG in part for s in servers for part in s.restart or []):
+    if any(SPEC_CONFIG in part for s in servers for part in s.restart or []):
         # the launch file is shared by whatever measured last (a sweep, a gate run again): it must be the schedule
         # the instance recorded for this drafter, which the eye and serving_benchmark hold the servers to
         sched, _ = schedule_for(context.instance, engine, prod["version"])

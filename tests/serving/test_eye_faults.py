@@ -358,3 +358,134 @@ def test_a_launch_file_rewritten_after_its_schedule_was_measured_stops_the_rollo
     launch.write_text(ss.dumps(ss.vllm_config("eagle3", str(export), [tuple(r) for r in measured])))
     assert cli.main(["promote", "--version", ckpt, "--rollout"]) == 0, capsys.readouterr().err
     assert marker.read_text().split() == [str(export), str(launch)]
+
+
+# ---- issue 58: secrets said as separate words, a restart that backgrounds its server, a trickling server ------------
+HEX_TOKEN = "5e0c9a7b" + "1f3d5b7a9c" * 3 + "e2"  # 40 hex, a kubectl service-account token's shape
+PASSWORD = "Winter-Deploy-2026!"
+
+
+def _every_file(root: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in root.rglob("*") if p.is_file())
+
+
+def test_a_restarts_stderr_with_secrets_as_separate_words_reaches_no_file_of_the_instance_nor_the_cli(
+        home, monkeypatch, capsys, fakes, tmp_path):
+    """`--token <40 hex>` and `--password <value>` (values as their own words, not --token=...) echoed by a failing
+    restart: in no file under DAGSTER_HOME (event log, index.db, compute logs), not in the CLI's output, the rollout
+    and production's table each scrubbed once, a multi-line error kept on its row."""
+    _exports(home, "a", "b")
+    monkeypatch.setenv("DEPLOY_T", HEX_TOKEN)
+    monkeypatch.setenv("DEPLOY_P", PASSWORD)
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(yaml.safe_dump({"servers": [
+        {"name": "s1", "url": fakes({"/health": "ok"}).url, "drafter": "/exports/a/vllm", "restart": [
+            "bash", "-c", "[ {drafter} = /exports/a/vllm ] || { echo \"+ kubectl rollout restart deploy/vllm-s1 "
+            "--token $DEPLOY_T\" >&2; echo \"error: login --password $DEPLOY_P --token=$DEPLOY_T refused\" >&2; "
+            "exit 3; }"]}]}))
+    monkeypatch.setenv("EAGLE3_SERVERS", str(servers))
+    assert cli.main(["promote", "--version", "aaaaaaaa"]) == 0
+    assert cli.main(["promote", "--version", "bbbbbbbb", "--rollout"]) == 1
+    assert cli.main(["production"]) == 0
+    out = capsys.readouterr()
+    said = out.out + out.err
+    for secret in (HEX_TOKEN, PASSWORD, "Winter-Deploy"):
+        assert secret not in said, said
+        assert secret not in _every_file(tmp_path), f"{secret} reached a file of the instance"
+    assert "--token [a secret, not shown]" in out.err and "--password [a secret, not shown]" in out.err, out.err
+    assert "not shown] secret, not shown]" not in said  # scrubbed once
+    s1 = [line for line in out.out.splitlines() if line.lstrip().startswith("s1 ")]
+    assert len(s1) == 1 and "exited 3" in s1[0] and "refused" in s1[0], out.out  # the whole error on its row
+    assert not any(line.startswith(("error:", "+ kubectl")) for line in out.out.splitlines())
+
+
+def test_a_server_url_with_credentials_and_no_scheme_is_refused_without_quoting_them(tmp_path):
+    """`svc:<password>@host:port`: the scheme check refuses it, naming neither the password in its message (the daemon
+    log, the sensors' stored skip reasons and descriptions), nor anywhere in the instance."""
+    bad = tmp_path / "servers.yaml"
+    bad.write_text(yaml.safe_dump({"servers": [{"name": "s", "url": f"svc:{PASSWORD}@127.0.0.1:19541"}]}))
+    with pytest.raises(ValueError) as e:
+        load_servers(str(bad))
+    assert "not an http(s) URL" in str(e.value) and PASSWORD not in str(e.value), str(e.value)
+    probe = ("from eagle3_assets.definitions import defs\nimport json\nrepo = defs.get_repository_def()\n"
+             "print(json.dumps({s.name: s.description for s in repo.sensor_defs}))")
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "EAGLE3_SERVERS": str(bad), "DAGSTER_HOME": str(home)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not an http(s) URL" in json.loads(done.stdout.splitlines()[-1])["live_acceptance_sensor"]
+    assert PASSWORD not in done.stdout + done.stderr + _every_file(home)
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({"API_KEY_FILE": "hunter2-Deploy!"}, True),  # a path's name, a password's value
+    ({"HF_TOKEN_PATH": "my token"}, True),
+    ({"GOOGLE_APPLICATION_CREDENTIALS": "/secrets/sa.json"}, False),  # the standard name of a key file's path
+    ({"API_KEY_FILE": "/run/secrets/api_key"}, False),
+    ({"SSH_KEY_FILE": "~/.ssh/id_ed25519"}, False),
+    ({"TOKEN_FILE": "token.txt"}, False),
+])
+def test_a_path_name_lets_only_a_path_through(env, refused):
+    from eagle3_assets.hosts.k8s import K8sHost
+
+    assert bool(find_secrets(env)) == refused, find_secrets(env)
+    if refused:
+        with pytest.raises(ValueError) as e:
+            K8sHost(image="img", pvc="work", env=env)
+        assert next(iter(env.values())) not in str(e.value)
+    else:
+        K8sHost(image="img", pvc="work", env=env)
+
+
+def test_a_restart_that_starts_its_server_in_the_background_is_done_when_it_exits(fakes, tmp_path):
+    """`nohup vllm serve ... &` with its output not redirected: the server it leaves holds the command's output, and
+    the restart is over when the command exits, not when that output ends. The server it detached is left running."""
+    pidfile = tmp_path / "server.pid"
+    server = Server(name="s", url=fakes({"/health": "ok"}).url, restart_timeout_s=5,
+                    restart=["bash", "-c", f"nohup sleep 300 & echo $! > {pidfile}; echo started"])
+    logs = []
+    t0 = time.monotonic()
+    why = restarts.restart(server, "/exports/new", logs.append)
+    try:
+        assert why is None, why
+        assert time.monotonic() - t0 < 5
+        assert not _gone(int(pidfile.read_text())), "the server the restart started was killed"
+        assert any("left processes running" in line and "left alone" in line for line in logs), logs
+    finally:
+        os.kill(int(pidfile.read_text()), 9)  # the one process this test started
+
+
+def test_a_server_whose_metrics_trickle_leaves_no_reader_behind(monkeypatch):
+    """/metrics sent a byte every 0.3 s: the read ends at the server's timeout (a socket timeout alone bounds each
+    byte, not the answer), and no reader thread outlives the tick."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not stop.is_set():
+            try:
+                conn.sendall(b"#")
+            except OSError:
+                break
+            time.sleep(0.3)
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    monkeypatch.setattr(live_acceptance, "TICK_CAP_S", 10.0, raising=False)
+    server = Server(name="trickle", url=f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=2)
+    try:
+        events, _ = live_acceptance.tick([server], None)
+        assert "still coming after 2 s" in _status(events, "trickle"), _status(events, "trickle")
+        time.sleep(1.0)
+        assert not [t for t in threading.enumerate() if t.name.startswith("live_acceptance") and t.is_alive()]
+    finally:
+        stop.set()
+        listener.close()

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from ...common import process_group
 from ...common.ports import free_port  # noqa: F401 (the stages and tests take it from here)
 from ..errors import StageError
 
@@ -340,7 +341,7 @@ def watch(pgid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    while _group_alive(pgid):
+    while process_group.alive(pgid):
         if os.getppid() != parent:  # the worker died (before the prctl, or where it is unavailable)
             stop()
         time.sleep(0.5)
@@ -366,17 +367,7 @@ def _end_group(pgid: int, steps, pause) -> None:
         except ProcessLookupError:
             return
         end = time.monotonic() + wait
-        while time.monotonic() < end and _group_alive(pgid):
+        while time.monotonic() < end and process_group.alive(pgid):
             pause()
-        if not _group_alive(pgid):
+        if not process_group.alive(pgid):
             return
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
