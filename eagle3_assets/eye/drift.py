@@ -21,16 +21,24 @@ import os
 import time
 
 import dagster as dg
+import fsspec
 
 from ..assets.executor import ONE_PROCESS
+from ..sources.gateway_logs import TrafficError, expand, served_figures
 from . import served
-from .servers_file import DriftSettings, Server, ServersFile, asset_key
+from .servers_file import SERVERS_ENV, DriftSettings, Server, ServersFile, asset_key, load_servers
 from .traffic import LOGS_ENV, traffic_partitions
 
 LIVE_CHECK = "live_acceptance_holds"
 RUN_KEY_TAG = "dagster/run_key"  # the run key a sensor's run carries (Dagster's own tag)
 DRIFT_TAG = "eagle3/drift"  # on every run a drift sensor starts: what it is about (a server, or a traffic day)
+# on a live signal's report runs: the server it is about. The queue runs one at a time per server (dagster.yaml's
+# tag_concurrency_limits) and the sensor requests none while one is queued or running
+REPORT_ON_TAG = "eagle3/report_on"
 REPLAY, REPORT, TRAFFIC = dg.AssetKey("traffic_acceptance"), dg.AssetKey("drift_report"), dg.AssetKey("traffic")
+ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+          dg.DagsterRunStatus.STARTED]
+STALE_WINDOWS = 2  # a live report run starting this many windows after the sensor saw its window is checked again
 
 drift_report_job = dg.define_asset_job(
     "report_drift", selection=[TRAFFIC, REPLAY, REPORT], partitions_def=traffic_partitions, executor_def=ONE_PROCESS,
@@ -40,35 +48,82 @@ check_traffic_job = dg.define_asset_job(
     description="the offline drift signal: a day of traffic replayed by the served drafter (traffic_drift_sensor)")
 
 
+def comparable(win: dict, info: dict) -> tuple[float, float, str] | None:
+    """(live, benchmark, how) acceptance lengths that compare: whole when served at the benchmark's k; over the draft
+    positions both measured when the k differ (a chain draft's position i is accepted or not whatever follows it, so
+    its acceptance does not depend on k); None when the k differ and either side has no per-position figures."""
+    live, bench = win["acceptance_length"], info["benchmark_acceptance_length"]
+    kw, kb = win.get("k"), info.get("benchmark_k")
+    if not kw or not kb or kw == kb:
+        return live, bench, ""
+    pos_w, pos_b = win.get("acceptance_per_pos") or [], info.get("benchmark_acceptance_per_pos") or []
+    m = min(kw, kb, len(pos_w), len(pos_b))
+    if not m:
+        return None
+    return (1 + sum(pos_w[:m]), 1 + sum(pos_b[:m]),
+            f" over the first {m} draft position{'s' if m > 1 else ''} (served with k={kw}, benchmarked with k={kb})")
+
+
+def collapse_suspected(win: dict, info: dict, settings: DriftSettings) -> str | None:
+    """Why the window looks like a collapse, or None: its first draft position accepted at most drift.collapse_ratio
+    as often as on the drafter's benchmark (the first position's acceptance is the same at every k, where an
+    acceptance length of 1.1 is a 10 % rate at k = 1 and a broken drafter at k = 3); with no benchmark per position,
+    at most drift.collapse_below - 1 (1.1: 10 %)."""
+    pos = win.get("acceptance_per_pos") or []
+    first = pos[0] if pos else win["acceptance_length"] - 1 if win.get("k") == 1 else None
+    ref = (info.get("benchmark_acceptance_per_pos") or [None])[0]
+    steps = f"{win['num_drafts']} speculative steps in the last {settings.window_s} s"
+    if first is not None and ref:
+        low = first <= settings.collapse_ratio * ref
+        why = (f"its first draft position accepted on {first:.1%} of {steps} against {ref:.1%} on its benchmark "
+               f"({first / ref:.0%} of it; drift.collapse_ratio {settings.collapse_ratio:.0%})")
+    elif first is not None:
+        low = first <= settings.collapse_below - 1
+        why = (f"its first draft position accepted on {first:.1%} of {steps} (no benchmark per position; "
+               f"drift.collapse_below {settings.collapse_below:g}: {settings.collapse_below - 1:.0%})")
+    else:
+        low = win["acceptance_length"] <= settings.collapse_below
+        why = f"acceptance length {win['acceptance_length']:.3f} over {steps} (drift.collapse_below " \
+              f"{settings.collapse_below:g})"
+    return why if low else None
+
+
 def judge(drafter: str | None, win: dict, info: dict, settings: DriftSettings) -> dict:
     """A server's live window against its drafter's benchmark: {"state": collapse | drift | fits | unknown, "why",
-    "drop"}."""
-    live, bench = win["acceptance_length"], info["benchmark_acceptance_length"]
+    "drop"}. "collapse" is a suspicion: the drift report tells a collapse from a drift to traffic the drafter never
+    saw (drift_report.py)."""
+    live = win["acceptance_length"]
     if drafter is not None and win["num_drafts"] >= settings.min_drafts and live is not None and \
-            live <= settings.collapse_below:  # judged with or without a reference figure: none is needed for this
+            (why := collapse_suspected(win, info, settings)):  # judged with or without a reference figure
         return {"state": "collapse", "drop": None,
-                "why": f"acceptance length {live:.3f} over {win['num_drafts']} speculative steps in the last "
-                       f"{settings.window_s} s (collapse at {settings.collapse_below:g} or less): the drafter's tokens "
-                       "are almost never accepted. A collapse, not drift: an integration fault of the server (its "
-                       "speculative method, aux layers, draft vocabulary, attention backend), which retraining "
-                       "cannot fix; the drift report lists the evidence"}
+                "why": f"{why}: the drafter's tokens are almost never accepted. A collapse of the server's integration "
+                       "(its speculative method, aux layers, draft vocabulary, attention backend), which retraining "
+                       "cannot fix, or traffic the drafter has never seen (a new language), which retraining is for: "
+                       "the drift report tells them apart (the benchmark's own prompts sent to the server, the "
+                       "config it runs)"}
     if drafter is None:
         return {"state": "unknown", "drop": None, "why": "no read of the server names the drafter it serves yet: "
                 "wait for live_acceptance_sensor, or set drafter in the servers file"}
-    if bench is None:
+    if info["benchmark_acceptance_length"] is None:
         return {"state": "unknown", "drop": None, "why": "no benchmark of the drafter served: materialize "
                 "serving_benchmark for it, or give benchmark_acceptance_length in the servers file"}
     if win["num_drafts"] < settings.min_drafts:
         return {"state": "unknown", "drop": None, "why": f"{win['num_drafts']} speculative steps in the last "
                 f"{settings.window_s} s, fewer than drift.min_drafts {settings.min_drafts}: not judged"}
-    if info.get("benchmark_k") and win["k"] and info["benchmark_k"] != win["k"]:
+    figures = comparable(win, info)
+    if figures is None:
         return {"state": "unknown", "drop": None, "why": f"served with {win['k']} speculative tokens, benchmarked "
-                f"with {info['benchmark_k']}: the figures do not compare (benchmark it at the served k)"}
+                f"with {info['benchmark_k']}, and no figures per draft position to compare on the positions both "
+                "drafted: start the server with the schedule measured for its drafter ({speculative_config} in the "
+                "servers file's restart command, or vLLM's --speculative-config with the speculative_config.vllm.json "
+                f"written beside the export), or benchmark it at k={win['k']} (serving_benchmark with schedule: off "
+                f"and num_speculative_tokens: {win['k']})"}
+    live, bench, how = figures
     drop = (bench - live) / bench
     state = "drift" if drop > settings.live_drop else "fits"
-    return {"state": state, "drop": round(drop, 4),
+    return {"state": state, "drop": round(drop, 4), "compared": [round(live, 4), round(bench, 4), how],
             "why": f"acceptance length {live:.3f} over {win['num_drafts']} speculative steps in the last "
-                   f"{settings.window_s} s, {abs(drop):.1%} {'below' if drop > 0 else 'above'} the drafter's "
+                   f"{settings.window_s} s{how}, {abs(drop):.1%} {'below' if drop > 0 else 'above'} the drafter's "
                    f"benchmarked {bench:.3f} (drift below {settings.live_drop:.0%})"}
 
 
@@ -116,30 +171,58 @@ def newest_traffic_day(instance: dg.DagsterInstance) -> str | None:
     return max(done) if done else None
 
 
+def logs_carry_served_figures(tail_bytes: int = 65536) -> bool:
+    """Whether the newest gateway log (EAGLE3_TRAFFIC_LOGS) logs responses with vLLM's per-request figures: read from
+    the end of its newest file only, a few records."""
+    sources = [s for s in os.environ.get(LOGS_ENV, "").split(",") if s.strip()]
+    try:
+        files = expand([s.strip() for s in sources])
+        with fsspec.open(files[-1], "rb", compression="infer") as f:
+            if not files[-1].endswith(".gz"):
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail_bytes))
+            lines = f.read(tail_bytes * 4 if files[-1].endswith(".gz") else tail_bytes).splitlines()[1:]
+    except (TrafficError, OSError, IndexError, ValueError):
+        return False
+    for raw in reversed(lines[-50:]):
+        try:
+            if served_figures(json.loads(raw), "a gateway log record") is not None:
+                return True
+        except (ValueError, TrafficError):
+            continue
+    return False
+
+
 def locate_from(instance: dg.DagsterInstance, settings: DriftSettings) -> str:
-    """served, replay or both (drift.locate_from); auto is served when the newest traffic day held figures production
-    served per request (its gateway logs responses: the next day's will too), else replay."""
+    """served, replay or both (drift.locate_from); auto is served when production's own per-request figures are at
+    hand (the newest traffic day held them, or the gateway's newest log carries them: the day the report reads will
+    too), else replay. The served figures cost nothing; a replay costs the host minutes, beside production where
+    they share a machine."""
     if settings.locate_from != "auto":
         return settings.locate_from
     recs = instance.fetch_materializations(TRAFFIC, limit=1).records
-    return "served" if recs and served.meta(recs[0]).get("requests_served") else "replay"
+    if recs and served.meta(recs[0]).get("requests_served"):
+        return "served"
+    return "served" if os.environ.get(LOGS_ENV) and logs_carry_served_figures() else "replay"
 
 
 def report_request(instance: dg.DagsterInstance, server: Server, state: dict, settings: DriftSettings,
                    now: float) -> dg.RunRequest:
     """A live drift's report run: with `locate`, today's traffic read first, and replayed by the served drafter unless
     the acceptance production served per request locates it (locate_from)."""
-    collapse = state["state"] == "collapse"  # the server's fault, not the traffic's: nothing to replay
-    day = newest_traffic_day(instance) if settings.locate and not collapse else None
+    collapse = state["state"] == "collapse"  # suspected: the traffic's kinds as served help tell, nothing to replay
+    day = newest_traffic_day(instance) if settings.locate or (collapse and os.environ.get(LOGS_ENV)) else None
     win, info = state["window"], state["info"]
+    live, bench, how = state.get("compared") or (win["acceptance_length"], info["benchmark_acceptance_length"], "")
     config = {"signal": "collapse" if collapse else "live", "server": server.name, "drafter": state["drafter"],
-              "live_acceptance_length": win["acceptance_length"], "num_drafts": win["num_drafts"],
-              "window_s": settings.window_s, "benchmark_acceptance_length": info["benchmark_acceptance_length"],
-              "benchmark_from": info["benchmark_from"], "traffic_day": day, "observed_at": now}
+              "live_acceptance_length": live, "num_drafts": win["num_drafts"], "window_s": settings.window_s,
+              "benchmark_acceptance_length": bench, "benchmark_from": info["benchmark_from"] + how
+              if info["benchmark_from"] else None, "traffic_day": day, "observed_at": now,
+              "why": state.get("why")}
     ops = {"drift_report": {"config": config}}
     selection = [REPORT]
     if day is not None:
-        where = locate_from(instance, settings)
+        where = "served" if collapse else locate_from(instance, settings)
         selection = ([TRAFFIC] if os.environ.get(LOGS_ENV) else []) + \
             ([REPLAY] if where in ("replay", "both") else []) + [REPORT]
         if REPLAY in selection:
@@ -147,8 +230,43 @@ def report_request(instance: dg.DagsterInstance, server: Server, state: dict, se
                                                     "limit": settings.replay_limit}}
     # the report alone is unpartitioned: a partition key would ask Dagster for a partitioned selection
     return dg.RunRequest(run_key=f"live-{server.name}-{int(now)}", asset_selection=selection,
-                         partition_key=day if selection != [REPORT] else None,
-                         run_config={"ops": ops}, tags={DRIFT_TAG: f"{'collapse' if collapse else 'live'}:{server.name}"})
+                         partition_key=day if selection != [REPORT] else None, run_config={"ops": ops},
+                         tags={DRIFT_TAG: f"{'collapse' if collapse else 'live'}:{server.name}",
+                               REPORT_ON_TAG: server.name})
+
+
+def reporting(instance: dg.DagsterInstance, server: str) -> bool:
+    """Whether a live report run on the server is queued or running: two at once would replay and probe side by side
+    on the host and the server they report on."""
+    return bool(instance.get_runs(dg.RunsFilter(tags={REPORT_ON_TAG: server}, statuses=ACTIVE), limit=1))
+
+
+def stale(instance: dg.DagsterInstance, tags: dict, server: str | None, observed_at: float | None,
+          drafter: str | None = None) -> str | None:
+    """Why a live report run should not go on, or None: its window passed STALE_WINDOWS windows ago (it waited in
+    the queue, a daemon restarted) and the server has moved on since (judged otherwise now, or serving another
+    drafter). A window too thin to judge now has not moved on: the report goes on."""
+    kind, _, _ = str(tags.get(DRIFT_TAG, "")).partition(":")
+    path = os.environ.get(SERVERS_ENV)
+    if kind not in ("live", "collapse") or not server or observed_at is None or not path:
+        return None
+    try:
+        parsed = load_servers(path)
+    except ValueError:
+        return None
+    entry = next((s for s in parsed.servers if s.name == server), None)
+    age, now = time.time() - observed_at, time.time()
+    if entry is None or age <= STALE_WINDOWS * parsed.drift.window_s:
+        return None
+    state = live_state(instance, entry, parsed.drift, now)
+    if drafter and state["drafter"] and state["drafter"] != drafter:
+        now_is = f"it serves {state['drafter']} now, not {drafter}"
+    elif state["state"] not in ("drift" if kind == "live" else "collapse", "unknown"):
+        now_is = f"{state['state']} now ({state['why']})"
+    else:
+        return None
+    return (f"the window it reports on ended {age / 60:.0f} min ago (drift.window_s {parsed.drift.window_s} s) and "
+            f"{server} has moved on since: {now_is}")
 
 
 def unmade(instance: dg.DagsterInstance, before: dict, now: float, settings: DriftSettings) -> bool:
@@ -216,9 +334,15 @@ def build(parsed: ServersFile | None) -> tuple[list[dg.SensorDefinition], list[d
             if state["state"] in ("drift", "collapse") and (before.get("judged") != state["state"] or
                                                             state["drafter"] != before.get("drafter") or again or
                                                             unmade(context.instance, before, now, settings)):
-                req = report_request(context.instance, s, state, settings, now)
-                requests.append(req)
-                before["reported"], before["report_key"] = now, req.run_key
+                if reporting(context.instance, s.name):  # one report of a server at a time; this verdict is
+                    # reported once that one has ended (the verdict judged before is kept: the change is seen again)
+                    context.log.info(f"{s.name}: {state['state']}, but a report on it is queued or running: "
+                                     "reported once it ends")
+                    judged, state = before.get("judged"), {**state, "drafter": before.get("drafter")}
+                else:
+                    req = report_request(context.instance, s, state, settings, now)
+                    requests.append(req)
+                    before["reported"], before["report_key"] = now, req.run_key
             cursor[s.name] = {**before, "state": state["state"], "judged": judged,
                               "drafter": state["drafter"] or before.get("drafter")}
         return dg.SensorResult(run_requests=requests, asset_events=events, cursor=json.dumps(cursor))

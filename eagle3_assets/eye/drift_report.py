@@ -14,7 +14,9 @@ from pydantic import Field
 
 from ..code_versions import code_version
 from ..common import charts
+from ..hosts import GpuHost
 from . import collapse, served
+from .drift import stale
 from .servers_file import drift_settings
 from .traffic_acceptance import fmt, groups_table, lowest_table
 
@@ -36,6 +38,7 @@ class DriftReportConfig(dg.Config):
                                       "report's load compares that window, however long the run waited")
     traffic_day: str | None = Field(default=None, description="the traffic partition that locates the drift")
     traffic_acceptance_storage_id: int | None = Field(default=None, description="offline: the replay that fired")
+    why: str | None = Field(default=None, description="live: the sensor's verdict on the window, in words")
 
 
 def _replay(context, config: DriftReportConfig):
@@ -150,7 +153,7 @@ def load_moved(context, server: str, window_s: float, now: float | None = None) 
                      "is worth a look (speculation_schedule)." if moved else "."))
 
 
-def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
+def report(context: dg.AssetExecutionContext, config: DriftReportConfig, gpu_host: GpuHost) -> dg.MaterializeResult:
     """The report: the signals, the served drafter's figures, and where the traffic's acceptance fell."""
     settings = drift_settings()
     rec = _replay(context, config)
@@ -172,13 +175,23 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                          f"{config.window_s} s at an acceptance length of {config.live_acceptance_length:.3f}, "
                          f"{live_drop:.1%} below the drafter's benchmarked {config.benchmark_acceptance_length:.3f} "
                          f"({config.benchmark_from}; threshold {settings.live_drop:.0%}).")
-    if config.signal == "collapse":
-        facts = collapse.evidence(context.instance, config.server or "", ckpt)
-        fired.append("collapse")
-        meta.update(kind="collapse, not drift", live_acceptance_length=round(config.live_acceptance_length or 0, 4),
-                    evidence=dg.MetadataValue.json(facts), causes_found=len(collapse.causes(facts)))
-        lines.append(collapse.line(config.server or "", config.num_drafts, config.window_s,
-                                   config.live_acceptance_length or 0.0, facts))
+    signal = config.signal
+    if config.signal == "collapse":  # suspected by the sensor: a collapse, or a drift to traffic never seen?
+        facts = collapse.evidence(context.instance, config.server or "", ckpt, drafter)
+        probed = collapse.probes(context.instance, gpu_host, config.server or "", drafter, settings, context.log.info)
+        groups = served_day(context, config.traffic_day)[1].get("served_groups") or []
+        is_collapse, why = collapse.verdict(facts, probed, groups, config.benchmark_acceptance_length, settings)
+        signal = "collapse" if is_collapse else "live"
+        fired.append(signal)
+        meta.update(suspected="collapse", kind="collapse, not drift" if is_collapse else "drift, not collapse",
+                    live_acceptance_length=round(config.live_acceptance_length or 0, 4),
+                    evidence=dg.MetadataValue.json(facts), causes_found=len(collapse.causes(facts)),
+                    probes=dg.MetadataValue.json(probed), verdict=why)
+        if probed.get("acceptance_length") is not None:
+            meta["probes_acceptance_length"] = probed["acceptance_length"]
+        live = (config.server or "", config.num_drafts, config.window_s, config.live_acceptance_length or 0.0)
+        lines.append(collapse.line(*live, facts, why) if is_collapse else collapse.drift_line(*live, why))
+        meta["signal"] = signal
     if config.server:
         load_meta, load_line = load_moved(context, config.server, config.window_s or settings.window_s,
                                           config.observed_at)
@@ -196,14 +209,14 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.M
                      f"{replay['acceptance_length']:.3f} against {reference:.3f} on its eval set "
                      f"({replay.get('eval_reference')}): {replay.get('drop', 0):.1%} lower (threshold "
                      f"{settings.offline_drop:.0%})." if reference else "**Offline**: no eval figure to compare.")
-    day_served, served_m = served_day(context, config.traffic_day) if config.signal != "collapse" else (None, {})
+    day_served, served_m = served_day(context, config.traffic_day) if signal != "collapse" else (None, {})
     if served_m:
         ref, source = ((config.benchmark_acceptance_length, config.benchmark_from) if config.benchmark_acceptance_length
                        else (reference, "its eval set"))
         served_meta, served_line = where_served(day_served, served_m, ref, source, settings.offline_drop)
         meta.update(served_meta)
         lines.append(served_line)
-    elif not replay and config.signal != "collapse":  # a collapse is not located in the traffic
+    elif not replay and signal != "collapse":  # a collapse is not located in the traffic
         lines.append("**Where**: no traffic replay nor served figures to locate it: set EAGLE3_TRAFFIC_LOGS (or "
                      "materialize a `traffic` partition) and keep `drift.locate` on, or materialize "
                      "traffic_acceptance by hand; a gateway that logs each response with vLLM's per-request metrics "
@@ -246,10 +259,15 @@ def make_drift_report(live_keys: list[dg.AssetKey]) -> dg.AssetsDefinition:
     """The report asset, downstream of the replay and of every watched server's live acceptance."""
 
     @dg.asset(name="drift_report", group_name="serving", kinds={"dagster"}, deps=[TRAFFIC, REPLAY, *live_keys],
+              output_required=False,
               code_version=code_version(__name__, "report"))
-    def drift_report(context: dg.AssetExecutionContext, config: DriftReportConfig) -> dg.MaterializeResult:
+    def drift_report(context: dg.AssetExecutionContext, config: DriftReportConfig, gpu_host: GpuHost):
         """Where and by how much a served drafter stopped fitting its traffic: made by the live or the traffic drift
-        sensor (drift.py) when a signal fires."""
-        return report(context, config)
+        sensor (drift.py) when a signal fires. A report of a live window that has passed, on a server whose state has
+        moved on (a run that waited in the queue, a daemon restarted), is dropped, saying so."""
+        if why := stale(context.instance, context.run.tags, config.server, config.observed_at, config.drafter):
+            context.log.warning(f"drift report dropped: {why}")
+            return
+        yield report(context, config, gpu_host)
 
     return drift_report

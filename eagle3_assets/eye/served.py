@@ -73,6 +73,7 @@ def benchmarks(instance: dg.DagsterInstance, ckpt: str | None, engine: str | Non
             out.append({"storage_id": rec.storage_id, "when": rec.timestamp, "engine": m.get("engine"),
                         "engine_version": m.get("engine_version"), "acceptance_length": m.get("acceptance_length"),
                         "speedup": m.get("speedup"), "num_speculative_tokens": m.get("num_speculative_tokens"),
+                        "acceptance_per_pos": m.get("acceptance_per_pos"),
                         "prompt_set": m.get("prompt_set"), "run_id": rec.run_id})
     return out
 
@@ -151,11 +152,14 @@ def describe(instance: dg.DagsterInstance, server: Server, drafter: str | None) 
     gate's eval figure for it, else the servers file's figure."""
     ckpt = checkpoint(instance, drafter)
     bench = benchmarks(instance, ckpt, server.engine)
-    out = {"checkpoint": ckpt, "benchmark_acceptance_length": None, "benchmark_k": None, "benchmark_from": None}
+    out = {"checkpoint": ckpt, "benchmark_acceptance_length": None, "benchmark_k": None, "benchmark_from": None,
+           "benchmark_acceptance_per_pos": None, "benchmark_prompt_set": None}
     gate = None if bench and bench[0]["acceptance_length"] is not None else gate_figure(instance, ckpt, server.engine)
     if bench and bench[0]["acceptance_length"] is not None:
         out.update(benchmark_acceptance_length=float(bench[0]["acceptance_length"]),
                    benchmark_k=bench[0]["num_speculative_tokens"],
+                   benchmark_acceptance_per_pos=[float(p) for p in bench[0]["acceptance_per_pos"] or []] or None,
+                   benchmark_prompt_set=bench[0]["prompt_set"],
                    benchmark_from=f"serving_benchmark {_when(bench[0]['when'])} (run {bench[0]['run_id'][:8]})")
     elif gate is not None:
         out.update(benchmark_acceptance_length=gate["acceptance_length"], benchmark_k=gate["k"],

@@ -16,6 +16,7 @@ from ..common.engines import DEFAULT
 from ..hosts import GpuHost
 from ..stages.traffic_replay import TrafficReplaySettings
 from . import served
+from .drift import stale
 from .servers_file import drift_settings
 from .traffic import TRAFFIC_DIR, traffic_partitions
 
@@ -41,7 +42,7 @@ def _current_drafter(context) -> str:
 
 
 @dg.asset(group_name="serving", kinds={"pytorch"}, partitions_def=traffic_partitions, pool="gpu_host",
-          deps=["traffic", "drafter_export", "target_model", "conversations", "prompts"],
+          deps=["traffic", "drafter_export", "target_model", "conversations", "prompts"], output_required=False,
           code_version=code_version(__name__, "traffic_acceptance"),
           check_specs=[dg.AssetCheckSpec(FITS, asset="traffic_acceptance", description="the drafter's acceptance on "
                                          "the day's traffic within drift.offline_drop of its figure on its eval set")])
@@ -49,7 +50,15 @@ def traffic_acceptance(context: dg.AssetExecutionContext, config: TrafficAccepta
     """The drafter's acceptance on a day of traffic (its seeded sample, already redacted), by replay speculation on
     the target: overall, per kind / length / first words of the prompts, the prompts of lowest acceptance, and its
     acceptance on its eval set beside it (offline_acceptance's, when it measured the same checkpoint at the same
-    settings; else replayed in the same run)."""
+    settings; else replayed in the same run). In a live drift's report run that waited past its window for a server
+    that has moved on, nothing is replayed and the report is dropped (drift.stale)."""
+    report = (((context.run.run_config or {}).get("ops") or {}).get("drift_report") or {}).get("config") or {}
+    if why := stale(context.instance, context.run.tags, report.get("server"), report.get("observed_at"),
+                    report.get("drafter")):
+        context.log.warning(f"not replayed, and the drift report after it dropped: {why}")
+        yield dg.AssetCheckResult(check_name=FITS, passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                  description=f"not replayed: {why}")
+        return
     day = context.partition_key
     drafter = config.drafter or _current_drafter(context)
     ckpt = served.checkpoint(context.instance, drafter)
@@ -85,7 +94,7 @@ def traffic_acceptance(context: dg.AssetExecutionContext, config: TrafficAccepta
                   "drop": drop if drop is not None else 0.0, "offline_drop": limit},
         description=(f"acceptance length {m['acceptance_length']:.3f} on {day}'s traffic, {drop:.1%} below its "
                      f"{reference:.3f} on the eval set (limit {limit:.0%})" if reference else "no eval figure to compare"))
-    return dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version, check_results=[check])
+    yield dg.MaterializeResult(metadata=result.metadata, data_version=result.data_version, check_results=[check])
 
 
 def fmt(x) -> str:

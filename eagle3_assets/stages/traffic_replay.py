@@ -19,6 +19,11 @@ class TrafficReplaySettings(Settings):
     batch_size: int = Field(default=8, gt=0, description="prompts whose greedy outputs are generated at once")
     min_group: int = Field(default=3, gt=0, description="a group of prompts is reported with at least this many")
     lowest: int = Field(default=10, ge=0, description="the prompts of lowest acceptance listed (redacted text)")
+    budget_s: float | None = Field(default=600.0, gt=0, description="the replay stops taking more traffic prompts "
+                                   "past this many seconds (the eval prompts first, then the traffic a batch at a "
+                                   "time) and reports on those replayed; None: all `limit` of them")
+    nice: int = Field(default=10, ge=0, le=19, description="the replay's CPU priority on the host (added niceness): "
+                      "a production server on the same machine keeps serving beside it")
 
 
 class TrafficReplayArgs(Args, TrafficReplaySettings):

@@ -60,6 +60,8 @@ def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
         reporter.error(str(e))
         return 2
     reporter.stage = ns.stage  # what it reports is checked against the stage's contract too
+    if getattr(args, "nice", 0):  # a stage that yields the host's CPU (a replay beside production): its process only
+        os.nice(int(args.nice))
     os.makedirs(ns.workdir, exist_ok=True)
     try:
         # a data-parallel rank runs under its launcher, which holds the output's lock

@@ -4,12 +4,14 @@ and `drift_report` materialized on the shared graph's drafter over a day of traf
 The whole loop with a real vLLM server and the daemon: test_serving_eye.py."""
 
 import json
+import os
 import time
 from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from conftest import TINY_TRAIN, served_response
 from eagle3_assets.eye import served
@@ -81,8 +83,25 @@ def test_the_live_judgement_says_why_it_does_not_judge():
     assert judge("/d", {**win, "acceptance_length": 1.85}, info, s)["state"] == "fits"
     assert "fewer than drift.min_drafts" in judge("/d", {**win, "num_drafts": 99}, info, s)["why"]
     assert "no benchmark" in judge("/d", win, {"benchmark_acceptance_length": None}, s)["why"]
-    assert "do not compare" in judge("/d", {**win, "k": 5}, info, s)["why"]
+    other_k = judge("/d", {**win, "k": 5}, info, s)  # another k and no figures per position: how to make them compare
+    assert other_k["state"] == "unknown" and "{speculative_config}" in other_k["why"]
+    assert "benchmark it at k=5" in other_k["why"]
     assert judge(None, win, info, s)["state"] == "unknown"
+
+
+def test_a_server_at_another_k_is_judged_on_the_draft_positions_both_measured():
+    """Issue 58, 5: a server started at k = 3 by an older restart command, its drafter benchmarked at the schedule's
+    k = 2. A chain draft's position i is accepted or not whatever follows it, so the first two positions compare:
+    1.32 served against 1.77 benchmarked is a drift (it was 'not judged' for as long as it served); the same positions
+    at the benchmark's figures fit."""
+    s = DriftSettings(min_drafts=100, live_drop=0.1)
+    info = {"benchmark_acceptance_length": 1.77, "benchmark_k": 2, "benchmark_acceptance_per_pos": [0.5, 0.27]}
+    drifted = {"acceptance_length": 1.35, "num_drafts": 1276, "k": 3, "acceptance_per_pos": [0.22, 0.1, 0.03]}
+    got = judge("/d", drifted, info, s)
+    assert got["state"] == "drift" and got["compared"][:2] == [1.32, 1.77], got
+    assert "over the first 2 draft positions (served with k=3, benchmarked with k=2)" in got["why"]
+    fits = {**drifted, "acceptance_length": 1.9, "acceptance_per_pos": [0.5, 0.27, 0.13]}
+    assert judge("/d", fits, info, s)["state"] == "fits"  # its whole 1.90 would read as 7 % above the benchmark
 
 
 def test_not_judged_is_a_warning_not_a_pass_and_a_long_blind_spell_is_an_error():
@@ -145,7 +164,7 @@ def test_the_servers_files_drift_section_is_checked_naming_the_field(tmp_path):
 def _observe(instance, drafter: str, al: float, drafts: int, status: str = "ok") -> None:
     instance.report_runless_asset_event(dg.AssetObservation(asset_key=asset_key("prod"), metadata={
         "status": status, "drafter": drafter, "num_drafts": drafts, "num_accepted_tokens": round((al - 1) * drafts),
-        "acceptance_length": al, "acceptance_per_pos": json.dumps([0.5, 0.3, 0.2])}))
+        "acceptance_length": al, "acceptance_per_pos": json.dumps([round(x * (al - 1), 4) for x in (0.5, 0.3, 0.2)])}))
 
 
 def test_the_live_window_sums_every_step_of_the_drafter_served_since_its_start(tmp_path):
@@ -218,36 +237,144 @@ def test_the_replay_groups_todays_traffic_and_the_report_says_where_without_raw_
     assert "jeanne.martin@" not in every
 
 
-def test_acceptance_near_one_is_a_collapse_an_error_with_or_without_a_reference():
-    s = DriftSettings(min_drafts=100, collapse_below=1.1)
+def test_a_first_position_accepted_almost_never_is_a_suspected_collapse_judged_at_every_k_alike():
+    """Issue 58, 6: a fixed acceptance length of 1.1 means a broken drafter at k = 3 but a 10 % rate, a weak drafter,
+    at k = 1. The window's first draft position (its acceptance does not depend on k) is held to the benchmark's."""
+    s = DriftSettings(min_drafts=100, collapse_below=1.1, collapse_ratio=0.25)
     server = Server(name="prod", url="http://127.0.0.1:1")
     info = {"benchmark_acceptance_length": None, "benchmark_k": None, "checkpoint": None, "benchmark_from": None}
-    win = {"acceptance_length": 1.03, "num_drafts": 400, "k": 3}
-    state = {"drafter": "/d", "window": win, "info": info, **judge("/d", win, info, s)}
-    assert state["state"] == "collapse" and "A collapse, not drift" in state["why"]
+    win = {"acceptance_length": 1.03, "num_drafts": 400, "k": 3, "acceptance_per_pos": [0.025, 0.005, 0.0]}
+    state = {"drafter": "/d", "window": win, "info": info, **judge("/d", win, info, s)}  # no benchmark: 1.1's 10 %
+    assert state["state"] == "collapse" and "the drift report tells them apart" in state["why"], state["why"]
     ev = check_evaluation(server, state, 0, s)
     assert not ev.passed and ev.severity == dg.AssetCheckSeverity.ERROR
     assert judge("/d", {**win, "num_drafts": 99}, info, s)["state"] == "unknown"  # too few steps to say
-    assert judge("/d", {**win, "acceptance_length": 1.4}, {**info, "benchmark_acceptance_length": 1.9}, s)["state"] \
-        == "drift"
+    # the issue's window: 1.092 at k = 2 against a benchmark whose first position accepted 55 %
+    bench = {**info, "benchmark_acceptance_length": 1.77, "benchmark_k": 2, "benchmark_acceptance_per_pos": [0.55, 0.22]}
+    low = {"acceptance_length": 1.092, "num_drafts": 173, "k": 2, "acceptance_per_pos": [0.08, 0.012]}
+    got = judge("/d", {**low, "num_drafts": 173}, bench, DriftSettings(min_drafts=100))
+    assert got["state"] == "collapse" and "against 55.0% on its benchmark (15% of it" in got["why"], got["why"]
+    # k = 1 at 1.1 against a benchmark at k = 1 of 1.15: a weak drafter within its own figure, no collapse
+    weak = {"acceptance_length": 1.1, "num_drafts": 400, "k": 1, "acceptance_per_pos": [0.1]}
+    at_k1 = {**info, "benchmark_acceptance_length": 1.15, "benchmark_k": 1, "benchmark_acceptance_per_pos": [0.15]}
+    assert judge("/d", weak, at_k1, s)["state"] == "fits"
+    assert judge("/d", {**win, "acceptance_length": 1.4, "acceptance_per_pos": [0.3, 0.1, 0.0]},
+                 {**info, "benchmark_acceptance_length": 1.9}, s)["state"] == "drift"
 
 
-def test_a_collapse_report_says_collapse_not_drift_with_the_servers_launch_as_evidence(tmp_path, monkeypatch):
-    from eagle3_assets.eye.drift_report import make_drift_report
+class FakeVllm:
+    """A vLLM server's routes the report reads, on 127.0.0.1: /v1/models, /metrics, and chat completions answered with
+    vLLM's per-request speculative figures (`accepted` drafts per step, 10 steps a request)."""
+
+    def __init__(self, accepted: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+        self.accepted, self.asked = accepted, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, body: dict | str):
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.startswith("/v1/models"):
+                    return self._send({"data": [{"id": "target"}]})
+                if self.path.startswith("/metrics"):
+                    return self._send("vllm:spec_decode_num_drafts_total 0\n")
+                self.send_response(404)
+                self.end_headers()
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                fake.asked += 1
+                self._send(served_response([fake.accepted] * 10, k=2))
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _suspected_collapse(built, tmp_path, monkeypatch, accepted: int) -> tuple[dict, FakeVllm]:
+    """A server suspected of a collapse (173 steps at 1.092 against a benchmark of 1.77), started by a restart command
+    whose speculative config is the launch file beside its export, answering familiar prompts at `accepted` drafts a
+    step: the report materialized on the shared graph, whose eval prompts are the probes'."""
+    from eagle3_assets.eye.servers_file import SERVERS_ENV
+
+    fake = FakeVllm(accepted)
+    drafter = tmp_path / "exports" / "abc" / "vllm"
+    launch = drafter.parent / "vllm-launch" / "speculative_config.vllm.json"
+    launch.parent.mkdir(parents=True)
+    launch.write_text(json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}))
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(json.dumps({"servers": [{"name": "prod", "url": fake.url, "restart": [
+        "vllm", "serve", "/t", "--speculative-config", "{speculative_config}"]}], "drift": {"probe_prompts": 4}}))
+    monkeypatch.setenv(SERVERS_ENV, str(servers))
+    built.materialize("drift_report", config={"drift_report": {"config": {
+        "signal": "collapse", "server": "prod", "drafter": str(drafter), "live_acceptance_length": 1.092,
+        "benchmark_acceptance_length": 1.77, "num_drafts": 173, "window_s": 120}}})
+    return built.latest("drift_report"), fake
+
+
+def test_a_new_language_accepted_near_nothing_is_a_drift_when_the_benchmarks_prompts_still_are(
+        built, tmp_path, monkeypatch):
+    """Issue 58, 6: a window of new-language traffic at 1.092 is a suspected collapse; the report sends the server
+    prompts of the drafter's benchmark, which it accepts as benchmarked: the integration works, so it is a drift, and
+    the retraining sensor answers it. The served method is read off the launch file the restart command names, never
+    its template's placeholder."""
+    from eagle3_assets.eye.servers_file import ServersFile
+    from eagle3_assets.loop import on_drift as loop
+
+    report, fake = _suspected_collapse(built, tmp_path, monkeypatch, accepted=1)
+    fake.close()
+    assert fake.asked == 4
+    assert report["signal"] == "live" and report["suspected"] == "collapse", report
+    assert report["kind"] == "drift, not collapse" and report["signals_fired"] == "live"
+    assert report["report"].startswith("**Drift, not collapse**: prod served 173 speculative steps"), report["report"]
+    assert report["probes"]["acceptance_length"] == 2.0 and report["probes"]["prompts"] == 4
+    assert "each response's per-request metrics" in report["probes"]["read_from"]
+    assert report["evidence"]["served_method"] == "eagle3" and "rendered for" in report["evidence"]["served_from"]
+    parsed = ServersFile.model_validate({"servers": [{"name": "prod", "url": "http://127.0.0.1:1"}]})
+    rec = built.instance.fetch_materializations(dg.AssetKey("drift_report"), limit=1).records[0]
+    got = loop.build(parsed)(dg.build_sensor_context(instance=built.instance, cursor=json.dumps(
+        {"after": rec.storage_id - 1})))
+    assert [r.tags[loop.REPORT_TAG] for r in got.run_requests] == [str(rec.storage_id)]
+
+
+def test_a_server_that_fails_the_benchmarks_own_prompts_too_is_a_collapse(built, tmp_path, monkeypatch):
+    report, fake = _suspected_collapse(built, tmp_path, monkeypatch, accepted=0)
+    fake.close()
+    assert report["signal"] == "collapse" and report["kind"] == "collapse, not drift"
+    assert report["report"].startswith("**Collapse, not drift**: prod served 173 speculative steps")
+    assert "familiar prompts fail too" in report["report"] and report["probes_acceptance_length"] == 1.0
+
+
+def test_a_collapse_report_names_the_fault_in_the_config_the_server_runs(built, tmp_path, monkeypatch):
+    """A server started with EAGLE (not EAGLE-3) is a collapse whatever the probes could say (this one does not even
+    answer them): the report says so with the launch as evidence, and locates nothing in the traffic."""
     from eagle3_assets.eye.servers_file import SERVERS_ENV
 
     servers = tmp_path / "servers.yaml"
     servers.write_text("servers:\n  - name: prod\n    url: http://127.0.0.1:1\n    restart: [vllm, serve, /t, "
                        "--speculative-config, '{\"method\": \"eagle\", \"model\": \"/d\"}']\n")
     monkeypatch.setenv(SERVERS_ENV, str(servers))
-    with dg.instance_for_test() as instance:
-        assert dg.materialize([make_drift_report([])], instance=instance, run_config={"ops": {"drift_report": {
-            "config": {"signal": "collapse", "server": "prod", "drafter": "/d", "live_acceptance_length": 1.02,
-                       "num_drafts": 400, "window_s": 60}}}}).success
-        ev = instance.get_latest_materialization_event(dg.AssetKey("drift_report"))
-        meta = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+    built.materialize("drift_report", config={"drift_report": {"config": {
+        "signal": "collapse", "server": "prod", "drafter": "/d", "live_acceptance_length": 1.02, "num_drafts": 400,
+        "window_s": 60}}})
+    meta = built.latest("drift_report")
     assert meta["signals_fired"] == "collapse" and meta["kind"] == "collapse, not drift"
     assert meta["evidence"]["served_method"] == "eagle" and meta["causes_found"] == 1
+    assert "did not answer the probes" in meta["probes"]["skipped"]
     report = meta["report"]
     assert report.startswith("**Collapse, not drift**: prod served 400 speculative steps")
     assert "Cause found: the server was started with speculative method 'eagle', not EAGLE-3" in report
@@ -281,7 +408,8 @@ def test_the_live_sensor_reports_a_collapse_within_one_window_without_replaying_
         (req,) = got.run_requests
         config = req.run_config["ops"]["drift_report"]["config"]
         assert config["signal"] == "collapse" and req.tags[drift.DRIFT_TAG] == "collapse:prod"
-        assert [k.to_user_string() for k in req.asset_selection] == ["drift_report"] and req.partition_key is None
+        # today's traffic read (its kinds as production served them tell a drift), nothing replayed
+        assert sorted(k.to_user_string() for k in req.asset_selection) == ["drift_report", "traffic"]
         (check,) = got.asset_events
         assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
         again = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor))
@@ -444,3 +572,94 @@ def test_the_acceptance_production_served_locates_the_fall_per_request_without_a
         parsed.drift.locate_from = locate
         req = drift.report_request(built.instance, parsed.servers[0], state, parsed.drift, time.time())
         assert sorted(k.to_user_string() for k in req.asset_selection) == asked, locate
+
+
+# ---- issue 58, 7: a drift report must not starve the production it reports on ----------------------------------
+def test_one_report_of_a_server_at_a_time():
+    """A report run on the server still queued or running: the sensor asks for none more (two would replay and probe
+    side by side); once it has ended, the drift that lasts is reported."""
+    from dagster._core.test_utils import create_run_for_test
+
+    from eagle3_assets.eye import drift
+
+    sensor = _live_sensor(drafter="/d")
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/d", 1.4, 150)
+        queued = create_run_for_test(instance, job_name="report_drift", status=dg.DagsterRunStatus.STARTED,
+                                     tags={drift.REPORT_ON_TAG: "prod", drift.DRIFT_TAG: "live:prod"})
+        got = sensor(dg.build_sensor_context(instance=instance))
+        assert not got.run_requests
+        instance.report_run_canceled(queued, message="ended")
+        (req,) = sensor(dg.build_sensor_context(instance=instance, cursor=got.cursor)).run_requests
+        assert req.tags[drift.REPORT_ON_TAG] == "prod"
+    limits = yaml.safe_load((Path(__file__).parents[2] / "dagster_home" / "dagster.yaml").read_text())
+    assert {"key": drift.REPORT_ON_TAG, "value": {"applyLimitPerUniqueValue": True}, "limit": 1} in \
+        limits["concurrency"]["runs"]["tag_concurrency_limits"]  # the queue holds it too
+
+
+def test_a_live_report_that_waited_past_its_window_for_a_server_that_moved_on_is_dropped(tmp_path, monkeypatch):
+    """A report run queued before a daemon restart runs 40 minutes late: the server fits again, so it reports nothing
+    and says why in its log; one whose server still drifts is made, however late."""
+    from eagle3_assets.eye import drift
+    from eagle3_assets.eye.drift_report import make_drift_report
+    from eagle3_assets.eye.servers_file import SERVERS_ENV
+    from eagle3_assets.hosts import LocalGpuHost
+
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(json.dumps({"servers": [{"name": "prod", "url": "http://127.0.0.1:1", "drafter": "/d",
+                                                "benchmark_acceptance_length": 2.0}],
+                                   "drift": {"window_s": 60, "min_drafts": 100, "locate": False}}))
+    monkeypatch.setenv(SERVERS_ENV, str(servers))
+    config = {"signal": "live", "server": "prod", "drafter": "/d", "live_acceptance_length": 1.4,
+              "benchmark_acceptance_length": 2.0, "num_drafts": 150, "window_s": 60,
+              "observed_at": time.time() - 2400}
+
+    def report(instance):
+        res = dg.materialize([make_drift_report([])], instance=instance, tags={drift.DRIFT_TAG: "live:prod"},
+                             resources={"gpu_host": LocalGpuHost(workdir=str(tmp_path / "work"))},
+                             run_config={"ops": {"drift_report": {"config": config}}})
+        logs = " ".join(str(e.user_message) for e in instance.all_logs(res.run_id))
+        return res.success, instance.get_latest_materialization_event(dg.AssetKey("drift_report")), logs
+
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/d", 1.95, 150)  # fits now
+        ok, made, logs = report(instance)
+        assert ok and made is None, "a stale report was made"
+        assert "drift report dropped: the window it reports on ended 40 min ago" in logs and "fits now" in logs
+    with dg.instance_for_test() as instance:
+        _observe(instance, "/d", 1.4, 150)  # still drifting: late, but still true
+        ok, made, _ = report(instance)
+        assert ok and made is not None
+
+
+def test_auto_locates_with_the_figures_production_served_when_the_gateway_logs_them(tmp_path, monkeypatch):
+    """No traffic day read yet: the gateway's newest log says whether it logs vLLM's per-request figures; with them
+    the report locates the drift from what production served, and replays nothing on the host beside it."""
+    from eagle3_assets.eye import drift
+
+    settings = DriftSettings()
+    with_figures, without = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    body = {"model": "m", "messages": [{"role": "user", "content": "Bonjour"}]}
+    with_figures.write_text("".join(json.dumps({"timestamp": time.time(), "body": body,
+                                                "response": served_response([1, 0])}) + "\n" for _ in range(3)))
+    without.write_text(json.dumps({"timestamp": time.time(), "body": body}) + "\n")
+    with dg.instance_for_test() as instance:
+        monkeypatch.setenv("EAGLE3_TRAFFIC_LOGS", str(with_figures))
+        assert drift.locate_from(instance, settings) == "served"
+        monkeypatch.setenv("EAGLE3_TRAFFIC_LOGS", str(without))
+        assert drift.locate_from(instance, settings) == "replay"
+
+
+def test_the_replay_yields_the_cpu_and_keeps_to_its_budget(drifted_day, tmp_path):
+    """Run as production's neighbour would run it (a worker process on the host): niced, and past its budget it
+    replays no more traffic, reporting on the prompts it did."""
+    from eagle3_assets.hosts import LocalGpuHost
+
+    built, day = drifted_day
+    replay = {"limit": 8, "eval_limit": 2, "max_new_tokens": 8, "min_group": 1, "lowest": 1, "batch_size": 2,
+              "budget_s": 0.001}
+    built.materialize("traffic_acceptance", partition=day, host=LocalGpuHost(workdir=str(built.workdir)),
+                      config={"traffic_acceptance": {"config": replay}})
+    meta = built.latest("traffic_acceptance", day)
+    assert meta["prompts"] == 2, meta["prompts"]  # one batch, then the budget was spent
+    assert meta["niceness"] >= 10 + os.nice(0)

@@ -11,6 +11,7 @@ settings, for the reference the traffic's figure is held against."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -94,9 +95,17 @@ def run(workdir: str, args: TrafficReplayArgs, reporter) -> None:
     k = int(args.num_speculative_tokens)
     pair = Pair(workdir, args.target, args.drafter, args.device, args.dtype, k)
     t0 = time.monotonic()
-    results = list(pair.each(rows, args.max_new_tokens, "replay", args.batch_size, reporter, "traffic"))
     eval_results = list(pair.each(eval_rows, args.max_new_tokens, "replay", args.batch_size, reporter, "eval")) \
         if eval_rows else []
+    results: list[dict] = []
+    for i in range(0, len(rows), args.batch_size):  # a batch at a time, within the budget
+        if args.budget_s and results and time.monotonic() - t0 > args.budget_s:
+            reporter.log(f"the replay's budget ({args.budget_s:g} s) is spent: {len(results)} of {len(rows)} traffic "
+                         "prompts replayed, the figures are theirs", "warning")
+            break
+        results += pair.each(rows[i: i + args.batch_size], args.max_new_tokens, "replay", args.batch_size, reporter,
+                             "traffic")
+    rows = rows[: len(results)]
     wall = time.monotonic() - t0
 
     per_prompt = []
@@ -124,7 +133,7 @@ def run(workdir: str, args: TrafficReplayArgs, reporter) -> None:
         "lowest": [{k_: p.get(k_) for k_ in ("id", "kind", "length_bucket", "acceptance_length",
                                              "nearest_training_similarity", "preview")} for p in worst],
         "training_prompts": len(training), "drafter": str(pair.drafter_dir), "traffic": str(traffic),
-        "wall_s": round(wall, 1),
+        "wall_s": round(wall, 1), "niceness": os.nice(0),
     }
     if eval_rows:
         ev = figures(eval_results, k)
