@@ -45,10 +45,11 @@ def stop(d: Path) -> None:
 def start(d: Path, port: int, target: str, drafter: str, spec_config: str | None = None) -> int:
     """`spec_config`: a speculative config file (the speculation schedule's) the server starts with, its drafter
     path replaced by `drafter` (this machine's copy); else k = 3 at every batch size."""
+    # each response carries its own acceptance: the gateway's log holds it
+    extra = ["--enforce-eager", "--per-request-spec-decode-metrics", "summary"]
     argv = vllm.server_command(sys.executable, target, port, drafter=None if spec_config else drafter, k=3,
-                               dtype="float32", max_model_len=1024, seed=0, extra=["--enforce-eager",
-                                      # each response carries its own acceptance: the gateway's log holds it
-                                      "--per-request-spec-decode-metrics", "summary"])
+                               dtype="float32", max_model_len=1024, seed=0,
+                               extra=vllm.with_k0_plugin(extra) if spec_config else extra)
     if spec_config:
         cfg = {**json.loads(Path(spec_config).read_text()), "model": drafter}
         argv += ["--speculative-config", json.dumps(cfg)]

