@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--grid", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--k", type=int, default=3, help="the deepest k measured")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    ap.add_argument("--requests-per-point", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4, help="paired rounds per concurrency")
     ap.add_argument("--no-verify", action="store_true", help="skip serving the schedule beside the target alone "
                     "(serve_bench at every concurrency of the grid, as serving_benchmark verifies it)")
     a = ap.parse_args()
@@ -48,7 +48,7 @@ def main() -> None:
     meta, out = stage(w, "load_curve", {"target": res["path"], "drafter": exp["vllm_path"],
                                         "prompts": "prompts/test.parquet", "out_dir": "load_curve",
                                         "concurrencies": a.grid, "num_speculative_tokens": a.k,
-                                        "max_new_tokens": a.tokens, "requests_per_point": a.requests_per_point,
+                                        "max_new_tokens": a.tokens, "rounds": a.rounds,
                                         "max_model_len": 2048, "extra_args": ["--enforce-eager"]})
     info = cpu_info()
     row = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "drafter": drafter, "cpu": info["cpu"], "cpu_isa": info["cpu_isa"],

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from ..common import spec_schedule
 from .base import DEFAULT_ENGINE, NUM_SPECULATIVE_TOKENS, Args, Contract, EngineName, Result
 from .serve_bench import ServeBenchSettings
 
@@ -25,8 +26,10 @@ class LoadCurveSettings(ServeBenchSettings):
     num_speculative_tokens: int = Field(default=NUM_SPECULATIVE_TOKENS, gt=0, description="the deepest k measured "
                                         "(every k from 1 up to it): the drafter's trained depth or less")
     max_new_tokens: int = Field(default=64, gt=0)
-    requests_per_point: int = Field(default=2, gt=0, description="requests per server at each concurrency, as a "
-                                    "multiple of the concurrency (at least 16): enough for the batch to stay full")
+    rounds: int = Field(default=4, ge=1, description="paired rounds at each concurrency: in each, every server serves "
+                        "one batch of that many requests, in turn; a k speculates there only where the rounds agree "
+                        f"it wins (at least {spec_schedule.MIN_ROUNDS}, their lower quartile above "
+                        f"1 + {spec_schedule.WIN_MARGIN:g} of the target alone's: common/spec_schedule.py)")
     tolerance: float = Field(default=0.03, ge=0, lt=0.5, description="a k is kept from the concurrency below "
                              "while within this share of the best (noise does not flip ranges)")
 
@@ -37,6 +40,13 @@ class LoadCurveArgs(Args, LoadCurveSettings):
     drafter: str = Field(description="the exported drafter, in the engine's dialect")
     prompts: str = Field(description="prompts (Parquet), cycled to fill each concurrency")
     out_dir: str = Field(description="the curve, the schedule and the engines' launch files")
+
+    @model_validator(mode="after")
+    def _a_schedule_the_engine_follows(self):
+        """A launch the engine would not follow a schedule with is refused before any server starts."""
+        if why := spec_schedule.launch_refusals(list(self.extra_args or [])):
+            raise ValueError("; ".join(why))
+        return self
 
 
 class LoadCurveResult(Result):

@@ -26,7 +26,7 @@ ops:
   eagle3_drafter: {config: {epochs: 1, ttt_steps: 2, row_tokens: 256, rows_per_batch: 1}}
   offline_acceptance: {config: {limit: 2, max_new_tokens: 8}}
   speculation_schedule: {config: {concurrencies: [1, 4], num_speculative_tokens: 1, max_new_tokens: 8,
-                                  requests_per_point: 1, dtype: float32, max_model_len: 1024,
+                                  rounds: 3, dtype: float32, max_model_len: 1024,
                                   extra_args: [--enforce-eager]}}
   serving_benchmark: {config: {limit: 2, max_new_tokens: 8, concurrencies: [1], baseline: false, dtype: float32,
                                max_model_len: 1024, extra_args: [--enforce-eager]}}

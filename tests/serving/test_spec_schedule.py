@@ -33,13 +33,37 @@ def test_the_schedule_drafts_where_it_pays_and_stops_where_the_target_alone_is_f
 def test_noise_within_the_tolerance_does_not_flip_a_range():
     # at 8, k=1 beats k=3 by 1 %: within a 3 % tolerance k=3 is kept, with none k=3 is replaced
     curve = {0: {1: 10.0, 8: 50.0}, 1: {1: 13.0, 8: 60.6}, 3: {1: 15.0, 8: 60.0}}
-    assert ss.choose(curve, max_batch=16, tolerance=0.03)[0] == [(1, 16, 3)]
-    assert ss.choose(curve, max_batch=16, tolerance=0.0)[0] == [(1, 1, 3), (2, 16, 1)]
+    assert ss.choose(curve, max_batch=16, tolerance=0.03)[0] == [(1, 8, 3), (9, 16, 0)]
+    assert ss.choose(curve, max_batch=16, tolerance=0.0)[0] == [(1, 1, 3), (2, 8, 1), (9, 16, 0)]
 
 
 def test_where_k_rises_the_higher_k_starts_at_the_measured_point():
     curve = {0: {1: 10.0, 4: 30.0}, 1: {1: 12.0, 4: 31.0}, 2: {1: 11.0, 4: 40.0}}
-    assert ss.choose(curve, max_batch=8, tolerance=0.0)[0] == [(1, 3, 1), (4, 8, 2)]
+    assert ss.choose(curve, max_batch=8, tolerance=0.0)[0] == [(1, 3, 1), (4, 4, 2), (5, 8, 0)]
+
+
+def test_past_the_largest_concurrency_measured_nothing_is_speculated_on():
+    """Issue 59: a grid stopping at 16 shipped k = 1 up to 1,024 requests at once, and served 0.79x at 32."""
+    curve = {0: {1: 10.0, 16: 100.0}, 1: {1: 13.0, 16: 104.0}}
+    rounds = {1: {1: [1.3, 1.31, 1.28, 1.3], 16: [1.05, 1.04, 1.06, 1.05]}}
+    assert ss.choose(curve, max_batch=1024, rounds=rounds)[0] == [(1, 16, 1), (17, 1024, 0)]
+    assert ss.speculate_up_to([(1, 16, 1), (17, 1024, 0)]) == 16
+
+
+def test_a_k_speculates_only_where_its_paired_rounds_agree_it_wins():
+    """Issue 59's sweep: k=2 against the target alone at 4 requests, +3 % on its means (52.74 against 51.02 tok/s),
+    its rounds one side and the other of 1: no win, off. A win the rounds agree on is taken; two rounds are too few
+    to say."""
+    curve = {0: {1: 10.0, 4: 51.02}, 2: {1: 13.5, 4: 52.74}}
+    noisy = {2: {1: [1.36, 1.33, 1.38, 1.35, 1.34], 4: [1.09, 0.96, 1.07, 0.98, 1.06]}}
+    schedule, rows = ss.choose(curve, max_batch=8, rounds=noisy)
+    assert schedule == [(1, 1, 2), (2, 8, 0)]
+    assert rows[1]["k"] == 0 and rows[1]["k2_ratio"] == {"median": 1.06, "q1": 0.98, "q3": 1.07, "rounds": 5}
+    agreed = {2: {1: noisy[2][1], 4: [1.09, 1.06, 1.07, 1.08, 1.06]}}
+    assert ss.choose(curve, max_batch=8, rounds=agreed)[0] == [(1, 4, 2), (5, 8, 0)]
+    two = {2: {1: [1.36, 1.33], 4: [1.09, 1.08]}}
+    assert ss.choose(curve, max_batch=8, rounds=two)[0] == [(1, 8, 0)]
+    assert ss.wins([1.03, 1.04, 1.05]) and not ss.wins([0.99, 1.04, 1.05])  # lower quartiles 1.035, 1.015
 
 
 @pytest.mark.parametrize("bad, names", [
@@ -255,7 +279,7 @@ def test_the_gates_batches_give_the_challengers_schedule_and_no_server_starts(tm
                                    SimpleNamespace(log=logged.append))
     assert off["schedule_text"] == "1-64: off"
     assert sorted(p.name for p in (other / "exports" / "cafe" / "vllm-launch").iterdir()) == [
-        "adaptive.sglang.json", "load_curve.json"]
+        "adaptive.sglang.json", "load_curve.json", "routing.json"]
 
     with dg.instance_for_test() as instance:
         instance.report_runless_asset_event(dg.AssetMaterialization("promotion_gate", partition="vllm", metadata={
@@ -299,3 +323,19 @@ def test_settings_only_a_sweep_uses_are_refused_with_the_gates_schedule():
     for cfg in ({"source": "gate"}, {"source": "gate", "tolerance": 0.1, "extra_args": ["--max-num-seqs", "32"]}):
         assert dg.materialize([probe], run_config={"ops": {"probe": {"config": cfg}}}).success
     assert seen == [[], ["extra_args", "tolerance"]]
+
+
+def test_a_launch_the_engine_would_not_follow_a_schedule_with_is_refused_before_any_server_starts():
+    """vLLM drops the schedule under data parallelism and drafts its largest k at every load: the sweep's arguments are
+    refused naming it; the prefix cache's EAGLE block drop is said as a cost, at every k."""
+    from pydantic import ValidationError
+
+    from eagle3_assets.stages.load_curve import LoadCurveArgs
+
+    args = {"target": "/t", "drafter": "/d", "prompts": "p.parquet", "out_dir": "o"}
+    with pytest.raises(ValidationError) as e:
+        LoadCurveArgs(**args, extra_args=["--enforce-eager", "--data-parallel-size", "2"])
+    assert "--data-parallel-size 2 in extra_args: vLLM 0.32 drops num_speculative_tokens_per_batch_size" in str(e.value)
+    LoadCurveArgs(**args, extra_args=["-dp=1"])
+    assert "prefills up to 128 tokens more than on the target alone, at every k" in ss.launch_costs([], 128)[0]
+    assert ss.launch_costs(["--no-enable-prefix-caching"], 128) == []

@@ -62,6 +62,9 @@ def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
     dtype_info = choice(args.dtype, device)
     info = serve_preflight(engine, python, target, dtype=dtype_info["dtype"], extra=extra)
     reporter.log(f"{engine.NAME} {info['version']}; {line(dtype_info)}; k {ks} at concurrencies {grid}")
+    costs = spec_schedule.launch_costs(extra, 16 if device == "cuda" else 128)
+    for cost in costs:
+        reporter.log(cost, "warning")
     tok = load_tokenizer(target)
     rows = pq.read_table(require_file(resolve(workdir, args.prompts), "the prompts", "materialize them first"),
                          columns=["id", "messages"]).to_pylist()
@@ -82,6 +85,7 @@ def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
     reporter.log(why)
     t0 = time.monotonic()
     table: dict[int, dict[int, dict]] = {k: {} for k in ks}
+    ratios: dict[int, dict[int, list[float]]] = {}  # each round's tokens/s over the target alone's, per k and c
     with ExitStack() as running:
         started: dict[int, EngineServer] = {}
         if together:
@@ -92,36 +96,50 @@ def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
                 srv.wait_ready(float(args.ready_timeout_s), reporter, since=t_start)
                 load.drive(srv.base_url, "target", prompts[:1], 4, 1)
             for c in grid:
-                for k, got in _in_turn(started, _requests(prompts, c, args), c, int(args.max_new_tokens)).items():
-                    table[k][c] = got
-                reporter.log(_point_line(c, table))
+                got, rates = _in_turn(started, _requests(prompts, c, args), c, int(args.max_new_tokens))
+                for k in ks:
+                    table[k][c] = got[k]
+                    ratios.setdefault(k, {})[c] = [r / b for r, b in zip(rates[k], rates[0]) if b]
+                reporter.log(_point_line(c, table, ratios))
         else:  # a GPU host: one server at a time, the whole grid each
+            alone: dict[int, dict[int, list[float]]] = {}
             for k in ks:
                 srv = running.enter_context(server(k, []))
                 srv.wait_ready(float(args.ready_timeout_s), reporter)
                 load.drive(srv.base_url, "target", prompts[:1], 4, 1)
                 for c in grid:
-                    table[k][c] = _in_turn({k: srv}, _requests(prompts, c, args), c, int(args.max_new_tokens))[k]
+                    got, rates = _in_turn({k: srv}, _requests(prompts, c, args), c, int(args.max_new_tokens))
+                    table[k][c], alone.setdefault(k, {})[c] = got[k], rates[k]
                 srv.stop()
-            for c in grid:
-                reporter.log(_point_line(c, table))
+            for c in grid:  # rounds paired by their order, not in turn: a GPU's noise is a CPU's fraction
+                for k in ks:
+                    ratios.setdefault(k, {})[c] = [r / b for r, b in zip(alone[k][c], alone[0][c]) if b]
+                reporter.log(_point_line(c, table, ratios))
     curve = {k: {c: table[k][c]["output_tokens_per_s"] for c in grid} for k in ks}
     tpot = {k: {c: table[k][c].get("tpot_ms_mean") for c in grid} for k in ks}
     meta = write_schedule(out_dir, str(drafter), curve, max_batch, float(args.tolerance), tpot,
                           {"engine": engine.NAME, "engine_version": info["version"], **dtype_info,
-                           "wall_s": round(time.monotonic() - t0, 1)})
+                           "k0_plugin": k0_plugin(engine, info), "rounds_in_turn": together, "launch_costs": costs,
+                           "wall_s": round(time.monotonic() - t0, 1)}, rounds={k: r for k, r in ratios.items() if k})
     reporter.log(f"schedule: {meta['schedule_text']} ({meta['wall_s']:.0f} s)")
     reporter.materialize(metadata=meta)
     reporter.result(meta)
 
 
+def k0_plugin(engine, info: dict) -> str:
+    """Whether the engine's k = 0 steps are free here (vLLM: the k=0 plugin, worker/engines/vllm/k0_plugin.py)."""
+    state = getattr(engine, "k0_plugin_state", None)
+    return state(info) if state else f"none for {engine.NAME}: its k = 0 steps run its own path"
+
+
 def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float]], max_batch: int, tolerance: float,
-                   tpot: dict[int, dict[int, float | None]] | None, about: dict) -> dict:
+                   tpot: dict[int, dict[int, float | None]] | None, about: dict,
+                   rounds: dict[int, dict[int, list[float]]] | None = None) -> dict:
     """The schedule chosen from a load curve ({k: {concurrency: output tokens/s}}, k = 0 the target alone), its
     launch files in each engine's form and load_curve.json written into `out_dir`; the metadata (with `about`: the
     engine, its version, the host's processor and dtype). Also the promotion gate's, from its own batches."""
     ks, grid = sorted(curve), sorted(curve[0])
-    schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=tolerance)
+    schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=tolerance, rounds=rounds)
     files = {}
     if vllm_cfg := spec_schedule.vllm_config("eagle3", drafter, schedule):
         files["vllm_speculative_config"] = _write(out_dir / "speculative_config.vllm.json", spec_schedule.dumps(vllm_cfg))
@@ -129,9 +147,15 @@ def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float
         (out_dir / "speculative_config.vllm.json").unlink(missing_ok=True)
     files["sglang_adaptive_config"] = _write(out_dir / "adaptive.sglang.json",
                                              json.dumps(spec_schedule.sglang_adaptive_config(schedule), indent=1))
+    # a fleet's router: requests in flight below this go to the drafter's servers, the rest to servers without one
+    files["routing"] = _write(out_dir / "routing.json", json.dumps(
+        {"speculate_up_to": spec_schedule.speculate_up_to(schedule), "schedule": spec_schedule.describe(schedule)}))
     for r in choice_rows:
         r["tpot_ms"] = {k: (tpot or {}).get(k, {}).get(r["concurrency"]) for k in ks}
-    meta = {**about, "grid": grid, "ks": ks,
+    meta = {**about, "grid": grid, "ks": ks, "decision": "paired rounds: a k speculates where the lower quartile of "
+            f"its rounds' ratios to the target alone is above 1 + {spec_schedule.WIN_MARGIN:g} (at least "
+            f"{spec_schedule.MIN_ROUNDS} rounds), else off; off past the largest concurrency measured"
+            if rounds is not None else "one figure a point (no rounds): the best tokens/s",
             "schedule": [list(r) for r in schedule], "schedule_text": spec_schedule.describe(schedule),
             "curve": {str(k): {str(c): v for c, v in row.items()} for k, row in curve.items()},
             "table": choice_rows, "max_batch": max_batch, "tolerance": tolerance,
@@ -142,29 +166,33 @@ def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float
 
 
 def _requests(prompts: list, c: int, args) -> list:
-    n = max(16, int(args.requests_per_point) * c)
+    """A batch of `c` per round: the prompts cycled, ids suffixed."""
     return [load.Request(f"{p.id}#{i}", p.prompt_token_ids) for i, p in
-            ((i, prompts[i % len(prompts)]) for i in range(n))]
+            ((i, prompts[i % len(prompts)]) for i in range(int(args.rounds) * c))]
 
 
-def _in_turn(servers: dict, requests: list, c: int, max_new: int) -> dict[int, dict]:
-    """Every server on the same requests, TURN batches of `c` at a time, the order rotating each turn. Each server
-    first serves one unmeasured batch at this concurrency: a CPU backend builds its kernels for a new batch shape on
-    first use (one k = 2 server measured 0.47x at one request, where k = 1 and 3 measured 1.30x and 1.37x)."""
+def _in_turn(servers: dict, requests: list, c: int, max_new: int) -> tuple[dict[int, dict], dict[int, list[float]]]:
+    """Every server on the same requests, one batch of `c` a round, the order rotating each round: each server's
+    summary and its tokens/s in each round. Each server first serves one unmeasured batch at this concurrency: a CPU
+    backend builds its kernels for a new batch shape on first use (one k = 2 server measured 0.47x at one request,
+    where k = 1 and 3 measured 1.30x and 1.37x)."""
     keys = list(servers)
     for k in keys:
         load.drive(servers[k].base_url, "target", requests[:c], 8, c)
     size = TURN * c
     parts = [requests[i: i + size] for i in range(0, len(requests), size)]
-    got = drive_in_turn(servers, parts, c, max_new, lambda k: f"the k={k} server at concurrency {c}")
-    return {k: load.summarize(*got[k]) for k in keys}
+    rates: dict = {}
+    got = drive_in_turn(servers, parts, c, max_new, lambda k: f"the k={k} server at concurrency {c}", part_rates=rates)
+    return {k: load.summarize(*got[k]) for k in keys}, rates
 
 
-def _point_line(c: int, table: dict) -> str:
-    base = table[0][c]["output_tokens_per_s"] or 0.0
-    return f"concurrency {c}: " + ", ".join(
-        f"k={k} {table[k][c]['output_tokens_per_s']:.1f} tok/s" + (f" ({table[k][c]['output_tokens_per_s'] / base:.2f}x)"
-                                                                   if k and base else "") for k in sorted(table))
+def _point_line(c: int, table: dict, ratios: dict) -> str:
+    def ratio(k):
+        s = spec_schedule.spread(ratios.get(k, {}).get(c, []))
+        return f" ({s['median']:.2f}x, rounds {s['q1']:.2f}-{s['q3']:.2f})" if s["median"] else ""
+
+    return f"concurrency {c}: " + ", ".join(f"k={k} {table[k][c]['output_tokens_per_s']:.1f} tok/s"
+                                             + (ratio(k) if k else "") for k in sorted(table))
 
 
 def _write(path, text: str) -> str:
