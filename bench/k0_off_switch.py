@@ -79,7 +79,7 @@ def main() -> None:
                 load.drive(srv.base_url, "target", reqs[:c], 8, c)
             rates: dict = {}
             drive_in_turn(servers, [reqs[i * c: (i + 1) * c] for i in range(1, a.rounds + 1)], c, a.tokens,
-                          lambda k: f"the {k} server at concurrency {c}", part_rates=rates)
+                          lambda k, c=c: f"the {k} server at concurrency {c}", part_rates=rates)
             out[c] = {name: spread([r / b for r, b in zip(rates[name], rates["target"])])
                       for name in VARIANTS if name != "target"}
             out[c]["target_tok_s"] = round(statistics.median(rates["target"]), 2)

@@ -153,6 +153,16 @@ def run_stage(workdir: Path, stage: str, args: dict) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
+def speculate_metadata(graph, **args) -> dict:
+    """The `speculate` stage (offline acceptance, float32) on the graph's target and newest eagle3_drafter, run in
+    this process: its materialization's metadata."""
+    done = run_stage(graph.workdir, "speculate", {
+        "target": graph.latest("target_model")["path"], "drafter": graph.latest("eagle3_drafter")["path"],
+        "dtype": "float32", **args})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+
+
 def train_args(built, out: str, **kw) -> dict:
     return {"target": built.latest("target_model")["path"], "shards": [SHARD], "vocab": VOCAB, "out": out,
             **TINY_TRAIN, **kw}

@@ -184,29 +184,42 @@ def before_serving(engine: str, drafter: dict, config: IntegrationCheckConfig) -
     return None, facts
 
 
+def config_differences(diff: list[dict] | None) -> str:
+    """engine_check's export_config_diff as one line: "rope_theta: export 100000.0, checkpoint 10000.0; ..."."""
+    return "; ".join(f"{d['key']}: export {d['export']}, checkpoint {d['checkpoint']}" for d in diff or [])
+
+
 def _export_side(engine: str, offline_al: float, sides: dict, config: IntegrationCheckConfig) -> str | None:
     """Our side of a failure, or None: the export differs from the trained drafter as the engine reads it
-    (tensor by tensor), or the offline replay on the export falls short of the one on the checkpoint."""
+    (tensor by tensor), or the offline replay on the export falls short of the one on the checkpoint; with the
+    fields where the export's config.json differs from the checkpoint's, when any do."""
     readback, export_al = sides.get("export_readback"), sides.get("export_offline_acceptance_length")
     replay = (f"; the offline replay on the export gives acceptance length {export_al:.3f} against {offline_al:.3f} "
               "on the trained checkpoint" if export_al is not None else "")
     refused = sides.get("export_offline_error")
     replay += f"; our offline replay refuses the export: {refused}" if refused else ""
+    fields = config_differences(sides.get("export_config_diff"))
+    differs = f". Its config.json differs from the checkpoint's: {fields}" if fields else ""
     if readback and not readback["same"]:
-        return (f"the export differs from the trained drafter at {readback['tensor']}: {readback['why']}{replay}. "
-                f"Our exporter's bug, not {engine}'s: inspect how write_export "
+        return (f"the export differs from the trained drafter at {readback['tensor']}: {readback['why']}{replay}"
+                f"{differs}. Our exporter's bug, not {engine}'s: inspect how write_export "
                 f"(eagle3_assets/worker/serving/export.py) writes {readback['tensor']}, then rematerialize "
                 "integration_drafter")
     if refused:
-        return (f"our own offline replay refuses the export, so it is not the trained drafter as served: {refused}. "
-                f"Our exporter's bug, not {engine}'s (or the export was changed after it was written): inspect "
-                "write_export (eagle3_assets/worker/serving/export.py), then rematerialize integration_drafter")
+        return (f"our own offline replay refuses the export, so it is not the trained drafter as served: "
+                f"{refused}{differs}. Our exporter's bug, not {engine}'s (or the export was changed after it was "
+                "written): inspect write_export (eagle3_assets/worker/serving/export.py), then rematerialize "
+                "integration_drafter")
     if export_al is not None and export_al < config.min_ratio_to_offline * offline_al:
+        where = (f"its config makes another drafter: {fields} (the export's config.json against the checkpoint's)"
+                 if fields else "its config makes another drafter (aux layer ids, vocab mapping, norms), though no "
+                 "field of its config.json differs from the checkpoint's but as the exporter writes them")
         return (f"the export's tensors are the trained drafter's, but the offline replay on the export gives "
-                f"acceptance length {export_al:.3f} against {offline_al:.3f} on the trained checkpoint: its config "
-                f"makes another drafter (aux layer ids, vocab mapping, norms). Our exporter's bug, not {engine}'s: "
-                "compare the export's config.json with the checkpoint's (write_export, "
-                "eagle3_assets/worker/serving/export.py)")
+                f"acceptance length {export_al:.3f} against {offline_al:.3f} on the trained checkpoint: {where}. "
+                f"Our exporter's bug, not {engine}'s (or the export was changed after it was written): inspect how "
+                "write_export (eagle3_assets/worker/serving/export.py) writes "
+                + (", ".join(d["key"] for d in sides["export_config_diff"]) if fields else "config.json")
+                + ", then rematerialize integration_drafter")
     return None
 
 
@@ -223,12 +236,16 @@ def verdict(engine: str, drafter: dict, served: dict | None, error: str | None, 
     readback = sides.get("export_readback")
     if readback is not None:
         facts["export_readback"] = "same" if readback["same"] else f"differs at {readback['tensor']}: {readback['why']}"
+    if sides.get("export_config_diff") is not None:
+        facts["export_config_diff"] = config_differences(sides["export_config_diff"]) or "none"
     if sides.get("export_offline_acceptance_length") is not None:
         facts["export_offline_acceptance_length"] = round(float(sides["export_offline_acceptance_length"]), 4)
     ours = _export_side(engine, offline_al, sides, config)
+    fields = config_differences(sides.get("export_config_diff"))
     theirs = ("the export is the trained drafter (tensor by tensor as the engine reads it"
               + (f", and the offline replay on it gives {facts['export_offline_acceptance_length']:.3f} as the "
                  "checkpoint's" if "export_offline_acceptance_length" in facts else "")
+              + (f"; its config.json differs from the checkpoint's: {fields}" if fields else "")
               + "); the engine serves something else: ") if readback and ours is None else ""
     if served is None:
         evidence = {**launch_facts(extra_args), "engine": engine}
@@ -286,6 +303,7 @@ def integration_check(context: dg.AssetExecutionContext, config: IntegrationChec
             "drafter": drafter[f"{engine}_path"], "trained_drafter": drafter["source"],
             "dtype": config.dtype, "extra_args": list(config.extra_args), "engine_python": config.engine_python}).result
         sides["export_readback"] = check.get("export_readback")
+        sides["export_config_diff"] = check.get("export_config_diff")
         if check.get("refusal"):
             error = f"the preflight refused it: {_gate_refusal(check)}"
     if early is None and error is None:

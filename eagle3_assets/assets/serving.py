@@ -37,8 +37,15 @@ class ServingBenchmarkConfig(dg.Config, ServeBenchSettings):
 
     eval_set: str = Field(default="eval", description="eval (held-out split) or humaneval; the offline "
                                                        "reference must use the same for the consistency check")
-    min_ratio_to_offline: float = Field(default=0.7, ge=0, description="engine acceptance length below this fraction "
-                                                                 "of offline_acceptance's fails the check")
+    # Engine / offline at the same k (docs/benchmarks.md: "Engine against offline at the same k"; 2-core AMD EPYC
+    # with AVX512-BF16, vLLM 0.32's CPU build, the embedded SmolLM2's shipped base drafter, 64 tokens, offline in
+    # float32), k 1 / 2 / 3: served in float32 1.000 / 1.001 / 1.001 on 54 held-out prompts, 1.000 on 8; in bf16
+    # 1.006 / 1.008 / 1.008 on 54 (1.008 at a schedule's k 2), 0.992 / 0.986 / 0.992 on 8; earlier main-command
+    # runs 0.96-1.02 at k 3. 0.9 is 6 points below the lowest: a tenth of the acceptance lost fails
+    min_ratio_to_offline: float = Field(default=0.9, ge=0, description="engine acceptance length below this fraction "
+                                        "of offline_acceptance's at the same k fails the check; the same drafter on "
+                                        "the same prompts measures 0.96-1.02 of it in vLLM (bf16 or float32), so 0.9 "
+                                        "fails an integration losing a tenth of the acceptance")
     schedule: Literal["auto", "off"] = Field(
         default="auto", description="auto: serve the drafter with the speculation_schedule measured for this "
         "checkpoint on this engine, when there is one, at every concurrency of its grid too; off: a fixed "
@@ -51,7 +58,7 @@ class ServingBenchmarkConfig(dg.Config, ServeBenchSettings):
           deps=["drafter_export", "target_model", "prompts"], code_version=code_version(__name__, "serving_benchmark"),
           check_specs=[dg.AssetCheckSpec(CONSISTENCY, asset="serving_benchmark", additional_deps=["offline_acceptance"],
                                          description="engine acceptance length vs our offline reference for the same "
-                                                     "checkpoint: far below it is an integration fault"),
+                                                     "checkpoint, prompts and k: below it is an integration fault"),
                        dg.AssetCheckSpec(SPEEDUP, asset="serving_benchmark",
                                          description="speculation makes serving faster than the same server without "
                                                      "it, at every concurrency measured"),
@@ -100,19 +107,46 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
 
 
 def acceptance_chart(context, meta: dict) -> str:
-    """Per-position acceptance as the engine counted it, beside offline_acceptance's."""
+    """Per-position acceptance as the engine counted it, beside offline_acceptance's at the same k."""
     ev = context.instance.get_latest_materialization_event(dg.AssetKey("offline_acceptance"))
     offline = {k: v.value for k, v in ev.asset_materialization.metadata.items()} if ev else {}
+    k = engine_k(meta)
+    offline_al, _ = offline_at_k(offline, k) if offline and k else (None, None)
+    suffix = f"_k{k}" if offline_al is not None and f"acceptance_length_k{k}" in offline else ""
     rows = []
-    for i, p in enumerate(meta.get("acceptance_per_pos") or []):
-        rows += [(f"position {i}  {meta['engine']}", p), (f"position {i}  offline", offline.get(f"acceptance_at_pos_{i}"))]
-    al = [(f"length  {meta['engine']}", meta.get("acceptance_length")), ("length  offline", offline.get("acceptance_length"))]
-    return ("Acceptance per draft position (engine vs offline reference):\n\n" + charts.bars(rows) if rows else "") + \
-        "\n\nAcceptance length:\n\n" + charts.bars(al, vmax=float(meta["num_speculative_tokens"]) + 1)
+    for i, p in enumerate((meta.get("acceptance_per_pos") or [])[: k or None]):
+        rows += [(f"position {i}  {meta['engine']}", p),
+                 (f"position {i}  offline", offline.get(f"acceptance_at_pos_{i}{suffix}") if offline_al else None)]
+    al = [(f"length  {meta['engine']}", meta.get("acceptance_length")), ("length  offline", offline_al)]
+    at = f" (k = {k})" if k else ""
+    return (f"Acceptance per draft position (engine vs offline reference){at}:\n\n" + charts.bars(rows) if rows
+            else "") + f"\n\nAcceptance length{at}:\n\n" + charts.bars(al, vmax=float(meta["num_speculative_tokens"]) + 1)
+
+
+def engine_k(meta: dict) -> int | None:
+    """The draft length the benchmark's acceptance_length was counted at (serve_bench's acceptance_k: a
+    schedule's k at that load), num_speculative_tokens for a benchmark that predates it; None: mixed."""
+    return meta["acceptance_k"] if "acceptance_k" in meta else meta.get("num_speculative_tokens")
+
+
+def offline_at_k(offline: dict, k: int) -> tuple[float | None, str | None]:
+    """offline_acceptance's acceptance length at draft length k (its metadata `offline`), or None and why not."""
+    if f"acceptance_length_k{k}" in offline:
+        return float(offline[f"acceptance_length_k{k}"]), None
+    top = int(offline.get("num_speculative_tokens") or 0)
+    if top == k:  # measured before the per-k figures: its one figure is at k
+        return float(offline["acceptance_length"]), None
+    if k > top:
+        return None, (f"offline_acceptance measured k up to {top}, the engine's acceptance is at k = {k}: "
+                      f"materialize offline_acceptance with num_speculative_tokens >= {k}, then compare")
+    return None, (f"offline_acceptance measured k = {top} alone (method {offline.get('method', 'decode')!r}, or "
+                  f"before the per-k figures), the engine's acceptance is at k = {k}: materialize it with method "
+                  "replay (every k up to num_speculative_tokens), then compare")
 
 
 def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.AssetCheckResult:
-    """The engine's acceptance length against offline_acceptance's, for the same checkpoint and prompts."""
+    """The engine's acceptance length against offline_acceptance's, for the same checkpoint, prompts and draft
+    length k (a schedule serves fewer than num_speculative_tokens at some loads: the k it served is the one)."""
     ev = context.instance.get_latest_materialization_event(dg.AssetKey("offline_acceptance"))
     engine_al = meta.get("acceptance_length")
     if ev is None or engine_al is None:
@@ -121,12 +155,10 @@ def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.Asset
                                                "checkpoint" if ev is None else "the engine reported no acceptance")
     offline = {k: v.value for k, v in ev.asset_materialization.metadata.items()}
     measured = ev.asset_materialization.tags.get("dagster/input_data_version/eagle3_drafter")
-    offline_al = float(offline["acceptance_length"])
-    ratio = engine_al / offline_al if offline_al else 0.0
-    facts = {"engine_acceptance_length": round(engine_al, 4), "offline_acceptance_length": round(offline_al, 4),
-             "ratio": round(ratio, 4), "min_ratio": config.min_ratio_to_offline,
-             "offline_checkpoint": measured or "unknown", "benchmarked_checkpoint": meta.get("checkpoint"),
-             "served_aux_layers": str(meta.get("served_aux_layers")),
+    k = engine_k(meta)
+    facts = {"engine_acceptance_length": round(engine_al, 4), "k": k if k is not None else "mixed",
+             "min_ratio": config.min_ratio_to_offline, "offline_checkpoint": measured or "unknown",
+             "benchmarked_checkpoint": meta.get("checkpoint"), "served_aux_layers": str(meta.get("served_aux_layers")),
              "trained_aux_layers": str(meta.get("trained_aux_layers"))}
     if measured and meta.get("checkpoint") and measured != meta["checkpoint"]:
         return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
@@ -136,13 +168,25 @@ def consistency(context, meta: dict, config: ServingBenchmarkConfig) -> dg.Asset
         return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
                                    metadata=facts, description=f"offline_acceptance measured other prompts "
                                    f"({offline.get('eval_set')}): rematerialize it with eval_set {config.eval_set!r}")
+    if k is None:
+        return dg.AssetCheckResult(
+            check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=facts,
+            description=f"the engine's acceptance length mixes k {meta.get('acceptance_k_mixed')}: its schedule "
+                        f"drafts another k at some batch size up to its lowest concurrency, so no one offline figure "
+                        f"is comparable; benchmark with concurrency 1 among concurrencies")
+    offline_al, why = offline_at_k(offline, k)
+    if offline_al is None:
+        return dg.AssetCheckResult(check_name=CONSISTENCY, passed=False, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata=facts, description=why)
+    ratio = engine_al / offline_al if offline_al else 0.0
+    facts.update(offline_acceptance_length=round(offline_al, 4), ratio=round(ratio, 4))
     if ratio >= config.min_ratio_to_offline:
         return dg.AssetCheckResult(check_name=CONSISTENCY, passed=True, metadata=facts)
     return dg.AssetCheckResult(
         check_name=CONSISTENCY, passed=False, metadata=facts,
-        description=f"{meta['engine']} acceptance length {engine_al:.3f} is {ratio:.0%} of the offline reference "
-                    f"{offline_al:.3f} for the same checkpoint: an integration fault, not a weak drafter. "
-                    f"{diagnosis(meta)}")
+        description=f"{meta['engine']} acceptance length {engine_al:.3f} at k = {k} is {ratio:.0%} of the offline "
+                    f"reference {offline_al:.3f} at the same k for the same checkpoint: an integration fault, not a "
+                    f"weak drafter. {diagnosis(meta)}")
 
 
 def causes(meta: dict) -> list[str]:

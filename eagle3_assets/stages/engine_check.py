@@ -28,6 +28,7 @@ class EngineCheckResult(Result):
     refusal: str | None = None  # refuse False: why the engine cannot serve, every cause in order
     cpu_mla: bool = False  # an MLA target on a host without a GPU (no engine's CPU build serves it an EAGLE-3 drafter)
     export_readback: dict | None = None  # drafter and trained_drafter: worker/serving/export.py's compare_export
+    export_config_diff: list[dict] | None = None  # ... and its compare_config: [{key, export, checkpoint}]
 
 
 CONTRACT = Contract(EngineCheckArgs, result=EngineCheckResult)

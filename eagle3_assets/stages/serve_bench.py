@@ -68,6 +68,7 @@ class ServeBenchResult(Result):
     acceptance_length: float | None = None
     acceptance_per_pos: list[float] | None = None
     num_speculative_tokens: int
+    acceptance_k: int | None = None  # the k acceptance_length was counted at (a schedule's at that load; None: mixed)
     speedup: float | None = None
     checkpoint: str | None = None
     served_aux_layers: list[int] | None = None

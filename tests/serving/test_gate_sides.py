@@ -183,4 +183,5 @@ def test_the_engine_check_stage_reads_the_export_back_before_any_server(checkpoi
     engine_check.run(str(tmp_path), EngineCheckArgs(engine="vllm", target="target", drafter="export",
                                                     trained_drafter="drafter", refuse=False), rep)
     assert rep.got["export_readback"]["tensor"] == "fc.weight" and not rep.got.get("refusal"), rep.got
+    assert rep.got["export_config_diff"] == []  # a tensor written wrong, its config the checkpoint's
     json.dumps(rep.got)  # the stage's result travels as JSON

@@ -1,10 +1,11 @@
 """The integration gate on real vLLM (the CPU build): a drafter that memorised a handful of the extracted
 conversations, exported and served on exactly those prompts, passes on a correct integration, and each
-planted fault fails it, named: aux layer ids shifted by one in the export, the draft vocab mapping
-shuffled, the server started with method `eagle` instead of `eagle3`. (Its hidden-state parity on shards vLLM
-extracted lives beside that extraction, in tests/hidden_states/test_vllm_extract.py.)
+planted fault fails it, named: aux layer ids shifted by one in the export, a rotary base changed in the
+export's config, the draft vocab mapping shuffled, the server started with method `eagle` instead of
+`eagle3`. (Its hidden-state parity on shards vLLM extracted lives beside that extraction, in
+tests/hidden_states/test_vllm_extract.py.)
 
-vLLM starts: four servers."""
+vLLM starts: five servers."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_a_correct_integration_passes(gate):
     assert meta["engine_acceptance_length"] >= 0.75 * (k + 1)
     assert meta["offline_acceptance_length"] == drafter["offline_acceptance_length"]
     assert meta["served_method"] == "eagle3" and meta["draft_vocab_mapping"] == "same"
+    assert meta["export_config_diff"] == "none"  # what the exporter changes by design is not a difference
     print("GATE", json.dumps({**drafter, **meta}, default=str))
 
 
@@ -82,6 +84,25 @@ def test_aux_layer_ids_shifted_by_one_in_the_export_fail_the_gate_naming_them(ga
         in meta["verdict"], meta["verdict"]
     assert "Inspect, in order:\n1. aux layer ids" in meta["verdict"]
     print("SHIFTED", meta["engine_acceptance_length"], meta["offline_acceptance_length"])
+
+
+def test_a_rotary_base_changed_in_the_export_fails_the_gate_naming_the_field_and_both_values(gate):
+    """The export's tensors are the trained drafter's, but its config.json says another rope_theta: another drafter
+    (what stopped a user's main command here). The verdict names the field, the export's value and the checkpoint's."""
+    graph, _ = gate
+    drafter = graph.latest("integration_drafter")
+    trained = json.loads((Path(drafter["source"]) / "config.json").read_text())["rope_theta"]
+    with _planted(Path(drafter["vllm_path"]) / "config.json") as cfg_path:
+        cfg = json.loads(cfg_path.read_text())
+        cfg["rope_theta"] = trained * 10
+        cfg_path.write_text(json.dumps(cfg))
+        meta = gate_check(graph)
+    assert meta["passed"] is False
+    said = f"rope_theta: export {trained * 10}, checkpoint {trained}"
+    assert said in meta["verdict"], meta["verdict"]
+    assert meta["export_config_diff"] == said  # the check's metadata too, only the field that differs
+    print("ROPE", meta.get("engine_acceptance_length"), meta.get("export_offline_acceptance_length"),
+          meta["offline_acceptance_length"], meta["verdict"][:800])
 
 
 def test_a_shuffled_draft_vocab_mapping_fails_the_gate_naming_it(gate):

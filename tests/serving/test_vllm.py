@@ -102,6 +102,9 @@ def test_vllm_acceptance_is_consistent_with_offline_and_the_check_passes(bench):
     check = _checks(res)["acceptance_matches_offline"]
     assert check.passed, check.description
     assert check.metadata["ratio"].value == pytest.approx(engine / offline, rel=1e-3)
+    # the benchmark says the k its acceptance was drafted at (no schedule: num_speculative_tokens), compared there
+    assert graph.latest("serving_benchmark", "vllm")["acceptance_k"] == check.metadata["k"].value == 3
+    print("SAME K", engine, offline, engine / offline)
 
 
 def test_on_a_cpu_host_the_servers_start_together_each_one_process_on_every_core(bench):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import failure_text, last_json, run_stage
+from conftest import failure_text, last_json, run_stage, speculate_metadata
 
 TRAIN = {"epochs": 6, "lr": 3e-3, "ttt_steps": 3, "row_tokens": 128, "rows_per_batch": 2, "warmup_ratio": 0.0}
 
@@ -250,6 +250,27 @@ def test_export_validation_names_the_offending_field(trained, tmp_path):
         validate_export(d, "vllm", tc, [1, 14, 26])
 
 
+def test_the_exports_config_is_compared_with_the_checkpoints_key_by_key(trained, tmp_path):
+    """What the integration gate names when an export's config makes another drafter: only the fields that differ,
+    each with both values; what the exporter changes by design (dtype, the layer-id fields) is no difference."""
+    from transformers import AutoConfig
+
+    from eagle3_assets.worker.serving.export import compare_config
+
+    tc = AutoConfig.from_pretrained(trained.latest("target_model")["path"])
+    source = Path(trained.latest("drafter_export")["source"])
+    d = tmp_path / "v"
+    shutil.copytree(trained.latest("drafter_export")["vllm_path"], d)
+    assert compare_config(d, source, "vllm", tc) == []
+    cfg, trained_cfg = json.loads((d / "config.json").read_text()), json.loads((source / "config.json").read_text())
+    theta, ours = trained_cfg["rope_theta"], trained_cfg["eagle3_assets"]["aux_layer_ids"]
+    # a rotary base changed, and our ids written as they are into vLLM's capture-before field
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_theta": theta * 10, "eagle_aux_hidden_state_layer_ids": ours}))
+    assert compare_config(d, source, "vllm", tc) == [
+        {"key": "rope_theta", "export": theta * 10, "checkpoint": theta},
+        {"key": "aux layers (vllm captures, output of layer i)", "export": [i - 1 for i in ours], "checkpoint": ours}]
+
+
 def test_offline_acceptance_reports_engine_comparable_figures(trained):
     meta = trained.latest("offline_acceptance")
     assert meta["output_matches_target_greedy"] is True
@@ -267,17 +288,15 @@ def test_replay_gives_the_decode_loops_figures(trained):
     """Offline acceptance by replay (the target's greedy outputs generated in batches, each verify step replayed
     on its hidden states) counts exactly what the draft-verify loop counts, step by step, on the training
     prompts."""
-    common = {"target": trained.latest("target_model")["path"], "drafter": trained.latest("eagle3_drafter")["path"],
-              "prompts": "prompts/train.parquet", "limit": 4, "max_new_tokens": 24, "dtype": "float32"}
+    common = {"prompts": "prompts/train.parquet", "limit": 4, "max_new_tokens": 24}
     figures = {}
     for name, extra in {"decode": {"method": "decode"}, "replay": {"method": "replay", "batch_size": 1},
                         "replay-batched": {"method": "replay", "batch_size": 4}}.items():
-        done = run_stage(trained.workdir, "speculate", {**common, **extra})
-        assert done.returncode == 0, done.stderr[-3000:]
-        meta = json.loads(next(x for x in done.stderr.splitlines() if x.startswith('{"metadata"')))["metadata"]
+        meta = speculate_metadata(trained, **common, **extra)
         assert meta["output_matches_target_greedy"] is True and meta["method"] == extra["method"], meta
-        figures[name] = {k: v for k, v in meta.items() if k.startswith("accept") or k in ("verify_steps",
-                                                                                        "generated_tokens")}
+        # the figures at k (replay measures every shorter k too, decode k alone)
+        figures[name] = {k: v for k, v in meta.items() if (k.startswith("accept") and "_k" not in k)
+                         or k in ("verify_steps", "generated_tokens")}
     assert figures["decode"]["acceptance_at_pos_1"] > 0, figures  # steps of several drafts: the case worth checking
     assert figures["replay"] == figures["decode"], figures
     assert figures["replay-batched"] == figures["decode"], figures

@@ -332,6 +332,7 @@ def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
             meta[f"acceptance_pos{i}_c{c}"] = round(p, 4)
     first = rows[0]
     meta["acceptance_length"] = first["acceptance_length"]  # at the lowest concurrency: the headline figure
+    meta.update(_acceptance_k(args.schedule, first["concurrency"], k))
     meta["acceptance_per_pos"] = first["acceptance_per_pos"]
     meta["speedup"] = first["speedup"]
     if "baseline" in texts and "eagle3" in texts:
@@ -339,6 +340,16 @@ def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
         meta["greedy_outputs_identical"] = same == len(texts["eagle3"])
         meta["greedy_outputs_matching"] = f"{same}/{len(texts['eagle3'])}"
     return {"rows": rows, "metadata": meta}
+
+
+def _acceptance_k(schedule, c: int, k: int) -> dict:
+    """The draft length the headline acceptance was counted at (concurrency c): k, or with a schedule the k it
+    drafts at batch sizes 1 to c (offline_acceptance's figure at that k is the one to compare with). Where the
+    schedule's k changes within 1..c, the figure mixes them: acceptance_k is None, acceptance_k_mixed says which."""
+    if not schedule:
+        return {"acceptance_k": k}
+    ks = sorted({spec_schedule.k_at([tuple(r) for r in schedule], b) for b in range(1, c + 1)})
+    return {"acceptance_k": ks[0]} if len(ks) == 1 else {"acceptance_k": None, "acceptance_k_mixed": ks}
 
 
 def _set_aside(path: Path, why: str, reporter, moved: list[str]) -> None:

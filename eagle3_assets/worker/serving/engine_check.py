@@ -21,7 +21,7 @@ PURPOSES = {"serve": "serve EAGLE-3", "extract": "extract hidden states"}
 def run(workdir: str, args: EngineCheckArgs, reporter) -> None:
     from ..compute_dtype import host_device
     from ..engines.server import check_support, serve_refusal
-    from .export import compare_export, left_out
+    from .export import compare_config, compare_export, left_out
 
     engine = engines.get(args.engine)
     purpose = args.purpose
@@ -42,8 +42,15 @@ def run(workdir: str, args: EngineCheckArgs, reporter) -> None:
             mla = bool(engines.target_shapes(json.loads((target / "config.json").read_text())).get("mla_latent"))
             info = {**info, "refusal": why, "cpu_mla": mla and host_device() == "cpu"}
         if args.drafter and trained is not None:  # the export as this engine reads it, against its checkpoint
-            info["export_readback"] = compare_export(resolve(workdir, args.drafter), trained)
+            export = resolve(workdir, args.drafter)
+            info["export_readback"] = compare_export(export, trained)
             reporter.log(f"export read back as {engine.NAME} reads it: {info['export_readback']}")
+            # ... and its config.json against the checkpoint's, key by key (the target's config alone: no weights)
+            from transformers import AutoConfig
+
+            info["export_config_diff"] = compare_config(export, trained, engine.NAME,
+                                                        AutoConfig.from_pretrained(str(target)))
+            reporter.log(f"export config against the checkpoint's: {info['export_config_diff'] or 'no difference'}")
     if not info.get("refusal"):
         reporter.log(f"{engine.NAME} {info['version']} can {PURPOSES[purpose]} for {info['architecture']} "
                      f"({info.get('model_class', '?')})")

@@ -144,6 +144,41 @@ def compare_export(export_dir: Path, trained_dir: Path) -> dict:
     return {"same": True, "tensors": len(trained)}
 
 
+# The config keys write_export changes by design, which make no other drafter: the stored precision (the tensors
+# are compared by compare_export) and the aux layer ids' fields (our block dropped, the engine's own written: compared
+# as the layers the engine captures instead)
+_STORAGE_KEYS = ("torch_dtype", "dtype")
+_MISSING = "missing"
+
+
+def _layer_keys() -> set[str]:
+    return {"eagle3_assets"} | {engines.get(n).LAYER_IDS_FIELD.split(".")[0] for n in engines.NAMES}
+
+
+def compare_config(export_dir: Path, trained_dir: Path, dialect: str, tc) -> list[dict]:
+    """The export's config.json against the trained checkpoint's, key by key, where they differ other than as
+    write_export makes them differ: [{"key", "export", "checkpoint"}], a side that lacks the key "missing"; the aux
+    layers compared as `dialect`'s engine captures them (our convention) against those trained on;
+    max_position_embeddings only where the export's is below the checkpoint's (the export raises it to the
+    target's). Empty: the export's config makes the trained drafter."""
+    tc = text_config(tc)
+    served = json.loads((Path(export_dir) / "config.json").read_text())
+    trained = json.loads((Path(trained_dir) / "config.json").read_text())
+    skip = _layer_keys() | set(_STORAGE_KEYS)
+    out = []
+    for key in sorted((set(served) | set(trained)) - skip):
+        e, c = served.get(key, _MISSING), trained.get(key, _MISSING)
+        if e == c or (key == "max_position_embeddings" and _MISSING not in (e, c) and e >= c):
+            continue
+        out.append({"key": key, "export": e, "checkpoint": c})
+    captured = engine_capture_layers(dialect, served, tc.num_hidden_layers, tc.model_type)
+    ours = aux_ids_from_config(trained, tc.num_hidden_layers, tc.model_type)
+    if captured != list(ours):
+        out.append({"key": f"aux layers ({dialect} captures, output of layer i)", "export": captured,
+                    "checkpoint": list(ours)})
+    return out
+
+
 def _refusal(dialect: str, src: Path, src_cfg: dict, aux: list[int], tc) -> str | None:
     """Why `dialect` cannot take this drafter (its engine would serve another function than the one trained)."""
     try:

@@ -10,7 +10,13 @@ first, for all prompts in batches (one target forward per token for the whole ba
 step and prompt), and each verify step is then replayed on the target's hidden states of one forward over
 prompt + output: the drafter drafts from exactly the context it would have had, and its drafts are compared
 with the tokens greedy verification would have produced. 4-8x fewer target forwards on a CPU, where this
-stage ran at 5 tokens/s."""
+stage ran at 5 tokens/s.
+
+Replay measures every draft length from 1 to k in the same pass (`acceptance_length_k{j}`,
+`acceptance_at_pos_{i}_k{j}`; the unsuffixed keys are k's): a greedy chain of j < k drafts is the first j of
+the chain of k, so the chains drafted at k, one per start position, give each j's own trajectory exactly, on
+the same target forward. An engine served with a speculation schedule drafts fewer than k at some loads; its
+acceptance is held against the figure at the k it served. `decode` measures k alone (`acceptance_ks`)."""
 
 from __future__ import annotations
 
@@ -98,29 +104,49 @@ class ChainSpeculator:
         return _cut(new, max_new, eos), accepted
 
     @torch.inference_mode()
-    def replay(self, prompt: list[int], greedy: list[int], max_new: int,
-               eos: set[int]) -> tuple[list[int], list[int], int | None]:
+    def replay(self, prompt: list[int], greedy: list[int], max_new: int, eos: set[int],
+               ks: list[int] | None = None) -> tuple[list[int], dict[int, list[int]], int | None]:
         """The decode loop's figures from the target's greedy continuation `greedy` (max_new + k tokens, or up
-        to its end-of-sequence token): (output, accepted drafts per verify step, first output token that is
-        not the target's greedy choice by the teacher-forced check, or None). One target forward in all."""
+        to its end-of-sequence token): (output, {draft length: accepted drafts per verify step}, first output
+        token that is not the target's greedy choice by the teacher-forced check, or None), for each draft length
+        in `ks` (each at most k; default k alone). One target forward in all, and one drafted chain of k tokens
+        per start position, shared by every draft length: a greedy chain of k' < k tokens is the first k' of the
+        chain of k, so each length's own trajectory is replayed exactly."""
         P = len(prompt)
         ids = torch.tensor([list(prompt) + greedy[:-1]], device=self.target.device)
         logits = self.target(input_ids=ids, use_cache=False, logits_to_keep=len(greedy)).logits[0]
         aux = self.capture.last_aux()[0]  # aux[t]: the target's states after token t of prompt + greedy
         out = _cut(greedy, max_new, eos)
         h, cache = self._context(list(prompt) + greedy, aux)  # the drafter's context states, once
-        n, accepted = 1, []  # greedy[0] comes from the prefill, as in the loop
-        while n < max_new and greedy[n - 1] not in eos:
-            drafts = self._chain(h[:, P + n - 2: P + n - 1], cache, P + n)
-            a, ended = 0, False
-            while a < len(drafts) and n + a < len(greedy) and drafts[a] == greedy[n + a]:
-                a += 1
-                if greedy[n + a - 1] in eos:  # an accepted end-of-sequence ends the step: no bonus token
-                    ended = True
-                    break
-            accepted.append(a)
-            n += a + (not ended)
-        return out, accepted, _not_greedy(logits[: len(out)], out, self.tol)
+        chains: dict[int, list[int]] = {}
+
+        def chain(n: int) -> list[int]:  # the k drafts after greedy[:n], memoized by start position
+            if n not in chains:
+                chains[n] = self._chain(h[:, P + n - 2: P + n - 1], cache, P + n)
+            return chains[n]
+
+        ks = sorted(set(ks or [self.k]), reverse=True)  # the longest first: its steps are the shorter ones' too
+        if ks[0] > self.k or ks[-1] < 1:
+            raise StageError(f"draft lengths {ks} must lie within 1-{self.k} (num_speculative_tokens)")
+        return out, {k: _verify_steps(chain, greedy, max_new, eos, k) for k in ks}, \
+            _not_greedy(logits[: len(out)], out, self.tol)
+
+
+def _verify_steps(chain, greedy: list[int], max_new: int, eos: set[int], k: int) -> list[int]:
+    """Accepted drafts per verify step of greedy chain speculation drafting k tokens a step, replayed on the
+    target's greedy continuation `greedy`; chain(n): the drafter's chain (at least k tokens) after greedy[:n]."""
+    n, accepted = 1, []  # greedy[0] comes from the prefill, as in the loop
+    while n < max_new and greedy[n - 1] not in eos:
+        drafts = chain(n)[:k]
+        a, ended = 0, False
+        while a < len(drafts) and n + a < len(greedy) and drafts[a] == greedy[n + a]:
+            a += 1
+            if greedy[n + a - 1] in eos:  # an accepted end-of-sequence ends the step: no bonus token
+                ended = True
+                break
+        accepted.append(a)
+        n += a + (not ended)
+    return accepted
 
 
 def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -198,8 +224,11 @@ class Pair:
         eos = self.target.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
 
-    def each(self, rows: list[dict], max_new: int, method: str, batch_size: int, reporter, label: str = ""):
-        """Per prompt, in order: {id, accepted (drafts accepted per verify step), tokens, not_greedy_at}."""
+    def each(self, rows: list[dict], max_new: int, method: str, batch_size: int, reporter, label: str = "",
+             every_k: bool = False):
+        """Per prompt, in order: {id, accepted (drafts accepted per verify step), accepted_by_k (the same for each
+        draft length measured: every one from 1 to k with `every_k` and replay, else k alone), tokens,
+        not_greedy_at}."""
         prompts = [first_turn_prompt(self.tok, r["messages"]) for r in rows]
         name = f"{label} " if label else ""
         if method == "replay":  # k more tokens: what the last verify step compares its drafts with
@@ -212,12 +241,14 @@ class Pair:
         with reporter.progress(f"{name}acceptance", len(rows), unit="prompts") as prog:
             for i, (r, prompt) in enumerate(zip(rows, prompts)):
                 if method == "replay":
-                    out, accepted, at = self.spec.replay(prompt, greedy[i], max_new, self.eos)
+                    out, by_k, at = self.spec.replay(prompt, greedy[i], max_new, self.eos,
+                                                     list(range(1, self.k + 1)) if every_k else None)
                 else:
                     out, accepted = self.spec.generate(prompt, max_new, self.eos)
-                    at = first_non_greedy(self.target, prompt, out, self.tol)
+                    by_k, at = {self.k: accepted}, first_non_greedy(self.target, prompt, out, self.tol)
                 prog.update(1, tokens=len(out))
-                yield {"id": r["id"], "accepted": accepted, "tokens": len(out), "not_greedy_at": at}
+                yield {"id": r["id"], "accepted": by_k[self.k], "accepted_by_k": by_k, "tokens": len(out),
+                       "not_greedy_at": at}
 
 
 def figures(results: list[dict], k: int) -> dict:
@@ -239,15 +270,23 @@ def run(workdir: str, args: SpeculateArgs, reporter) -> None:
     if not rows:
         raise StageError(f"{prompts_path} holds no prompts")
     t0 = time.monotonic()
-    results = list(pair.each(rows, int(args.max_new_tokens), args.method, int(args.batch_size), reporter))
+    results = list(pair.each(rows, int(args.max_new_tokens), args.method, int(args.batch_size), reporter,
+                             every_k=True))
     wall = time.monotonic() - t0
     mismatches = [f"{r['id']}@{r['not_greedy_at']}" for r in results if r["not_greedy_at"] is not None]
-    fig = figures(results, k)
+    # each draft length measured (replay: every one up to k, each its own trajectory; decode: k alone), so that an
+    # engine serving a lower k (a speculation schedule's at its load) is held against the figure at its own k
+    per_k = {j: figures([{"accepted": r["accepted_by_k"][j]} for r in results], j) for j in results[0]["accepted_by_k"]}
+    fig = per_k[k]
     meta = {
         "acceptance_length": fig["acceptance_length"],
         "acceptance_rate": fig["acceptance_rate"],
         **{f"acceptance_at_pos_{i}": p for i, p in enumerate(fig["acceptance_per_pos"])},
         "num_speculative_tokens": k,
+        "acceptance_ks": sorted(per_k),
+        **{f"acceptance_length_k{j}": f["acceptance_length"] for j, f in sorted(per_k.items())},
+        **{f"acceptance_at_pos_{i}_k{j}": p for j, f in sorted(per_k.items())
+           for i, p in enumerate(f["acceptance_per_pos"])},
         "verify_steps": fig["verify_steps"],
         "prompts": len(rows),
         "generated_tokens": sum(r["tokens"] for r in results),
