@@ -1,7 +1,9 @@
 """What a step the schedule turns off costs, with the k=0 plugin (worker/engines/vllm/k0_plugin.py) and without:
 the target alone, the scheduled server with vLLM's own k = 0 path ({"eagle3_k0": "off"}) and with the plugin, served
 in paired rounds (each round every server serves one batch at the concurrency, the order rotating), each round's
-ratio to the target alone's beside it. Per concurrency: the median ratio, its quartiles and the rounds. One row per
+ratio to the target alone's beside it. Per concurrency: the median ratio, its quartiles and the rounds. A fourth
+server, timing only, leaves the drafter's KV unwritten at k = 0 (bench/k0_skip/sitecustomize.py): the cost of the
+K/V-only pass is the gap between it and the plugin. One row per
 run in bench/results/k0_off_switch.jsonl with the CPU. Run after bench/load_curve.py (or its set-up: the embedded
 target and the shipped base drafter exported under bench/work/load_curve).
 
@@ -22,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SCHEDULE = [[1, 2, 3], [3, 8, 2], [9, 1024, 0]]  # the schedule behind the 0.90x of bench/results/schedule_edges.jsonl
-VARIANTS = {"target": None, "stock": {"eagle3_k0": "off"}, "plugin": {"eagle3_k0": "kv_only"}}
+VARIANTS = {"target": None, "stock": {"eagle3_k0": "off"}, "plugin": {"eagle3_k0": "kv_only"},
+            "plugin_no_sync": {"eagle3_k0": "kv_only"}}  # timing only: bench/k0_skip/sitecustomize.py
 
 
 def spread(ratios: list[float]) -> dict:
@@ -67,8 +70,10 @@ def main() -> None:
             extra = ["--enforce-eager"] + (["--additional-config", json.dumps(setting)] if setting else [])
             argv = vllm.server_command(sys.executable, str(target), port, drafter=str(drafter) if setting else None,
                                        k=3, dtype=dtype, max_model_len=2048, seed=0, extra=extra, schedule=SCHEDULE)
-            servers[name] = stack.enter_context(EngineServer(name, argv, port, w / f"k0-{name}.log",
-                                                             env=vllm.SERVER_ENV, health=vllm.HEALTH))
+            env = {**vllm.SERVER_ENV, **({"PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "k0_skip"), str(ROOT)])}
+                                         if name == "plugin_no_sync" else {})}
+            servers[name] = stack.enter_context(EngineServer(name, argv, port, w / f"k0-{name}.log", env=env,
+                                                             health=vllm.HEALTH))
         for srv in servers.values():
             srv.wait_ready(900)
             load.drive(srv.base_url, "target", prompts[:1], 4, 1)

@@ -142,6 +142,13 @@ def available_memory() -> int | None:
     return None
 
 
+def k0_plugin(engine, info: dict) -> str:
+    """Whether the engine's k = 0 steps are free here (vLLM: the k=0 plugin, worker/engines/vllm/k0_plugin.py), from
+    its support probe's facts: in the log and metadata, so a figure says which path its k = 0 steps took."""
+    state = getattr(engine, "k0_plugin_state", None)
+    return state(info) if state else f"none for {engine.NAME}: its k = 0 steps run its own path"
+
+
 def drive_in_turn(servers: dict, parts: list[list], c: int, max_new: int, name, on_part=None,
                   part_rates: dict | None = None) -> dict:
     """Every server on each part of the requests in turn, `c` in flight, the order rotating each part, so that a slow
@@ -283,7 +290,7 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
                 srv.stop()
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
-    summary["metadata"].update(dtype_info, language_model_only=text_only, **facts)
+    summary["metadata"].update(dtype_info, language_model_only=text_only, k0_plugin=k0_plugin(engine, info), **facts)
     if schedule:
         summary["metadata"].update(schedule=schedule, schedule_text=spec_schedule.describe([tuple(r) for r in schedule]))
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)

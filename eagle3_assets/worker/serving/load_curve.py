@@ -28,7 +28,7 @@ from ..errors import StageError
 from ..files import atomic_file, require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import drive_in_turn, start_together
+from .bench import drive_in_turn, k0_plugin, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.load_curve import LoadCurveArgs
@@ -124,12 +124,6 @@ def run(workdir: str, args: LoadCurveArgs, reporter) -> None:
     reporter.log(f"schedule: {meta['schedule_text']} ({meta['wall_s']:.0f} s)")
     reporter.materialize(metadata=meta)
     reporter.result(meta)
-
-
-def k0_plugin(engine, info: dict) -> str:
-    """Whether the engine's k = 0 steps are free here (vLLM: the k=0 plugin, worker/engines/vllm/k0_plugin.py)."""
-    state = getattr(engine, "k0_plugin_state", None)
-    return state(info) if state else f"none for {engine.NAME}: its k = 0 steps run its own path"
 
 
 def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float]], max_batch: int, tolerance: float,
