@@ -53,15 +53,15 @@ def _read_args(ns: argparse.Namespace) -> Args:
     return validate(ns.stage, raw)
 
 
-def _run(ns: argparse.Namespace, reporter: Reporter) -> int:
+def _run(ns: argparse.Namespace, reporter: Reporter, own_process: bool = False) -> int:
     try:
         args = _read_args(ns)
     except ArgsError as e:
         reporter.error(str(e))
         return 2
     reporter.stage = ns.stage  # what it reports is checked against the stage's contract too
-    if getattr(args, "nice", 0):  # a stage that yields the host's CPU (a replay beside production): its process only
-        os.nice(int(args.nice))
+    if own_process and getattr(args, "nice", 0):  # a stage that yields the host's CPU (a replay beside production);
+        os.nice(int(args.nice))  # a process-wide setting: never the caller's, where a test runs the stage in its own
     os.makedirs(ns.workdir, exist_ok=True)
     try:
         # a data-parallel rank runs under its launcher, which holds the output's lock
@@ -118,20 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
     install_stop_handlers()
     die_with_parent()
-    return run(ns)
+    return run(ns, own_process=True)
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, own_process: bool = False) -> int:
     """The stage the command line names, reported through Pipes when Dagster started this process, else to the
     terminal with the result JSON on stdout; the exit status. (Tests run it in their own process too.)"""
     if "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 
         with open_dagster_pipes() as pipes:
-            rc = _run(ns, Reporter(pipes))
+            rc = _run(ns, Reporter(pipes), own_process)
     else:
         reporter = Reporter()
-        rc = _run(ns, reporter)
+        rc = _run(ns, reporter, own_process)
         if rc == 0 and os.environ.get("EAGLE3_REPORT_JSONL") != "1":
             print(json.dumps(reporter.result_payload))
     return rc

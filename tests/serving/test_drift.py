@@ -662,4 +662,4 @@ def test_the_replay_yields_the_cpu_and_keeps_to_its_budget(drifted_day, tmp_path
                       config={"traffic_acceptance": {"config": replay}})
     meta = built.latest("traffic_acceptance", day)
     assert meta["prompts"] == 2, meta["prompts"]  # one batch, then the budget was spent
-    assert meta["niceness"] >= 10 + os.nice(0)
+    assert meta["niceness"] >= min(19, 10 + os.nice(0))  # the worker process's own, 10 above its parent

@@ -108,7 +108,7 @@ def test_vllm_loads_the_plugin_and_an_untested_release_is_left_unpatched_saying_
 def test_a_teams_own_additional_config_keeps_its_keys_and_can_turn_the_plugin_off():
     from eagle3_assets.worker.engines.vllm import with_k0_plugin
 
-    assert with_k0_plugin(["--enforce-eager"])[-2:] == ["--additional-config", '{"eagle3_k0": "kv_only"}']
+    assert with_k0_plugin(["--enforce-eager"]) == ["--additional-config", '{"eagle3_k0": "kv_only"}', "--enforce-eager"]
     merged = with_k0_plugin(["--additional-config", '{"kda_prefill_backend": "auto"}'])
     assert json.loads(merged[1]) == {"eagle3_k0": "kv_only", "kda_prefill_backend": "auto"}
     assert with_k0_plugin(['--additional-config={"eagle3_k0": "off"}']) == ['--additional-config={"eagle3_k0": "off"}']

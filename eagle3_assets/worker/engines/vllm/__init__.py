@@ -388,7 +388,7 @@ def with_k0_plugin(extra: list[str]) -> list[str]:
             merged = json.dumps({**ADDITIONAL_CONFIG, **cfg} if isinstance(cfg, dict) else cfg)
             out[j] = merged if a == "--additional-config" else f"--additional-config={merged}"
             found = True
-    return out if found else out + ["--additional-config", json.dumps(ADDITIONAL_CONFIG)]
+    return out if found else ["--additional-config", json.dumps(ADDITIONAL_CONFIG)] + out  # a team's flags stay last
 
 
 def server_plan(concurrencies: list[int]) -> list[list[int]]:
