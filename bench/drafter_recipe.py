@@ -633,3 +633,21 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def load_curve_served(workdir: str):
+    """bench/load_curve.py's workdir as the serving benches read it: (the embedded target, the shipped base drafter's
+    vLLM export, the held-out test prompts as requests); exits naming what to run first."""
+    from eagle3_assets.worker.engines import load
+    from eagle3_assets.worker.target.chat import first_turn_prompt
+    from eagle3_assets.worker.target.model import load_tokenizer
+
+    w = Path(workdir)
+    target, drafter = w / "target" / "SmolLM2-135M-Instruct", w / "exports" / "load_curve" / "vllm"
+    if not drafter.is_dir():
+        sys.exit(f"{drafter} does not exist: run bench/load_curve.py first")
+    import pyarrow.parquet as pq
+
+    tok = load_tokenizer(target)
+    return target, drafter, [load.Request(r["id"], first_turn_prompt(tok, r["messages"]))
+                             for r in pq.read_table(w / "prompts" / "test.parquet").to_pylist()]

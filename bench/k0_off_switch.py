@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from drafter_recipe import load_curve_served  # noqa: E402
 
 SCHEDULE = [[1, 2, 3], [3, 8, 2], [9, 1024, 0]]  # the schedule behind the 0.90x of bench/results/schedule_edges.jsonl
 VARIANTS = {"target": None, "stock": {"eagle3_k0": "off"}, "plugin": {"eagle3_k0": "kv_only"},
@@ -43,24 +46,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: the product's choice for this CPU (bf16 where it has "
                     "AVX512-BF16, else float32)")
     a = ap.parse_args()
-    import pyarrow.parquet as pq
 
     from eagle3_assets.worker.compute_dtype import choice, host_device
     from eagle3_assets.worker.compute_dtype import cpu as cpu_info
     from eagle3_assets.worker.engines import load, vllm
     from eagle3_assets.worker.engines.server import EngineServer, free_port
     from eagle3_assets.worker.serving.bench import drive_in_turn
-    from eagle3_assets.worker.target.chat import first_turn_prompt
-    from eagle3_assets.worker.target.model import load_tokenizer
 
     w = Path(a.workdir)
-    target, drafter = w / "target" / "SmolLM2-135M-Instruct", w / "exports" / "load_curve" / "vllm"
-    if not drafter.is_dir():
-        sys.exit(f"{drafter} does not exist: run bench/load_curve.py first")
+    target, drafter, prompts = load_curve_served(a.workdir)
     dtype = choice(a.dtype, host_device())["dtype"]
-    tok = load_tokenizer(target)
-    prompts = [load.Request(r["id"], first_turn_prompt(tok, r["messages"]))
-               for r in pq.read_table(w / "prompts" / "test.parquet").to_pylist()]
     out, t0 = {}, time.monotonic()
     with ExitStack() as stack:
         servers, taken = {}, []

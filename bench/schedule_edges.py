@@ -17,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from drafter_recipe import load_curve_served  # noqa: E402
 
 VARIANTS = {"target": None, "schedule_off": [[1, 2, 3], [3, 8, 2], [9, 1024, 0]],
             "schedule_k1": [[1, 2, 3], [3, 8, 2], [9, 1024, 1]], "fixed_k1": [[1, 1024, 1]]}
@@ -28,22 +31,14 @@ def main() -> None:
     ap.add_argument("--grid", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--tokens", type=int, default=64)
     a = ap.parse_args()
-    import pyarrow.parquet as pq
 
     from eagle3_assets.worker.compute_dtype import cpu as cpu_info
     from eagle3_assets.worker.engines import load, vllm
     from eagle3_assets.worker.engines.server import EngineServer, free_port
     from eagle3_assets.worker.serving.load_curve import _in_turn
-    from eagle3_assets.worker.target.chat import first_turn_prompt
-    from eagle3_assets.worker.target.model import load_tokenizer
 
     w = Path(a.workdir)
-    target, drafter = w / "target" / "SmolLM2-135M-Instruct", w / "exports" / "load_curve" / "vllm"
-    if not drafter.is_dir():
-        sys.exit(f"{drafter} does not exist: run bench/load_curve.py first")
-    tok = load_tokenizer(target)
-    prompts = [load.Request(r["id"], first_turn_prompt(tok, r["messages"]))
-               for r in pq.read_table(w / "prompts" / "test.parquet").to_pylist()]
+    target, drafter, prompts = load_curve_served(a.workdir)
     out, t0 = {}, time.monotonic()
     with ExitStack() as stack:
         servers, taken = {}, []
