@@ -201,7 +201,8 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         assert all(o["benchmark_acceptance_length"] == pytest.approx(bench) for o in before)
 
         # 2. The traffic moves to languages it never saw (the first request carries an e-mail address): the live
-        # signal fires, and its report replays today's traffic to say where.
+        # signal fires, and its report says where from what production served each request (the gateway logs
+        # vLLM's per-request figures): no replay beside production (drift.locate_from auto).
         changed, sent = time.time(), gw.sent
         gw.send(next(foreign) + " Écris-moi à jeanne.martin@exemple-mail.fr.")
         for text in foreign:
@@ -216,14 +217,14 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         live = _report(p.graph.instance, "live")
         print(f"\nlive drift: requested after {gw.sent - sent} requests of the new kind; report {live['t'] - changed:.0f} "
               f"s after the change; live {live['live_acceptance_length']} vs benchmark "
-              f"{live['benchmark_acceptance_length']}; traffic {live['traffic_acceptance_length']} vs eval "
-              f"{live['eval_acceptance_length']}; where {live['where']}; fired {live['signals_fired']}")
-        assert live["signals_fired"].startswith("live"), live["report"]
+              f"{live['benchmark_acceptance_length']}; fired {live['signals_fired']}")
+        assert live["signals_fired"] == "live", live["report"]
         assert live["live_acceptance_length"] < bench * 0.9
-        assert live["where"] == "kind=other-language", live["report"]
-        assert live["where_share_of_training"] < 0.05
+        assert "traffic_acceptance_length" not in live, live["report"]  # nothing replayed beside production
+        assert not [r for r in p.graph.instance.fetch_materializations(dg.AssetKey("traffic_acceptance"),
+                                                                         limit=5).records if r.timestamp > changed]
         assert "**Load**" in live["report"] and live["mean_batch_in_window"] > 0, live["report"]  # whether it moved too
-        # what vLLM served each request, logged with it by the gateway, names the same kind with no replay's help
+        # what vLLM served each request, logged with it by the gateway, names the kind
         print(f"served: {live['requests_served']} requests at {live['served_acceptance_length']} against "
               f"{live['served_reference']}; where {live['where_served']} at {live['where_served_acceptance_length']}")
         assert live["where_served"] == "kind=other-language", live["report"]
@@ -246,6 +247,7 @@ def test_traffic_in_a_new_language_fires_both_drift_signals_and_the_report_names
         print(f"offline drift: traffic {offline['traffic_acceptance_length']} vs eval {offline['eval_acceptance_length']}"
               f" ({offline['offline_drop']:.1%} lower); where {offline['where']}")
         assert offline["signals_fired"] == "offline" and offline["where"] == "kind=other-language", offline["report"]
+        assert offline["where_share_of_training"] < 0.05  # a kind the drafter never trained on
 
         # 4. Lineage per served drafter: its benchmark, its live figures over time, the reports against it.
         out = daemon.cli("eagle3-assets", "lineage", "--served")
