@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from drafter_recipe import prompts_table, splits, stage  # noqa: E402
+from eagle3_assets.assets.speculation_schedule import best_fixed  # noqa: E402
 
 
 def main() -> None:
@@ -56,21 +57,28 @@ def main() -> None:
            "grid": meta["grid"], "schedule": meta["schedule"], "schedule_text": meta["schedule_text"],
            "table": meta["table"], "sweep_s": meta["wall_s"], "stage_s": out["_wall_s"],
            "load_before": load, "load_after": [round(x, 2) for x in os.getloadavg()]}
-    if not a.no_verify:
+    if not a.no_verify:  # as serving_benchmark verifies it: paired rounds at every concurrency, the sweep's choice
+        table = [{"concurrency": r["concurrency"], "k": r["k"], "speedup": r["speedup"]} for r in meta["table"]]
         vmeta, vres = stage(w, "serve_bench", {"target": res["path"], "drafter": exp["vllm_path"],
                                                "prompts": "prompts/test.parquet", "limit": None,
                                                "max_new_tokens": a.tokens, "concurrencies": meta["grid"],
                                                "schedule": meta["schedule"], "baseline": True, "max_model_len": 2048,
-                                               "extra_args": ["--enforce-eager"], "out_dir": "verify",
-                                               "history": "verify/history.parquet", "prompt_set": "test"})
-        fixed = {r["concurrency"]: max(r[f"k{k}_tok_s"] for k in meta["ks"] if k) / r["k0_tok_s"] for r in meta["table"]}
+                                               "rounds": a.rounds, "extra_args": ["--enforce-eager"],
+                                               "out_dir": "verify", "history": "verify/history.parquet",
+                                               "prompt_set": "test", "verify": {"table": table, "max_batch":
+                                                                                meta["max_batch"], "tolerance": 0.03}})
+        fixed = {r["concurrency"]: best_fixed(r, meta["ks"]) for r in meta["table"]}
         row["verify"] = [{"concurrency": c, "scheduled_tok_s": vmeta.get(f"output_tokens_per_s_c{c}"),
                           "target_tok_s": vmeta.get(f"baseline_output_tokens_per_s_c{c}"),
-                          "scheduled_speedup": vmeta.get(f"speedup_c{c}"), "best_fixed_k_speedup": round(fixed[c], 3),
+                          "scheduled_speedup": vmeta.get(f"speedup_c{c}"),
+                          "q1": vmeta.get(f"speedup_q1_c{c}"), "q3": vmeta.get(f"speedup_q3_c{c}"),
+                          "best_fixed_k_speedup": round(fixed[c], 3),
                           "vs_better": round(vmeta[f"speedup_c{c}"] / max(1.0, fixed[c]), 3)
                           if vmeta.get(f"speedup_c{c}") else None} for c in meta["grid"]]
-        row["verify_s"] = vres["_wall_s"]
-        row["acceptance_length_c1"] = vmeta.get("acceptance_length_c1")
+        row.update(verification=vmeta.get("verification"), fell_back_at=vmeta.get("fell_back_at"),
+                   served_schedule_text=vmeta.get("verified_schedule_text") or meta["schedule_text"],
+                   k0_plugin=vmeta.get("k0_plugin"), verify_s=vres["_wall_s"],
+                   acceptance_length_c1=vmeta.get("acceptance_length_c1"))
     with (ROOT / "bench" / "results" / "load_curve.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))

@@ -11,7 +11,7 @@ from ..hosts import GpuHost
 from ..stages.serve_bench import ServeBenchSettings
 from .partitions import engine_partitions
 from .paths import PROMPT_SETS
-from .speculation_schedule import SCHEDULE_CHECK, schedule_check, schedule_for
+from .speculation_schedule import SCHEDULE_CHECK, sched_k, schedule_check, schedule_for
 from .upstream import exported_checkpoint, upstream_metadata
 
 HISTORY = "benchmarks/serving_history.parquet"
@@ -89,8 +89,12 @@ def serving_benchmark(context: dg.AssetExecutionContext, config: ServingBenchmar
                             f"drafter pays at no load measured on {engine}; benchmarked at a fixed k, serve the "
                             "target alone")
         context.log.warning(why)
-    if sched is not None:
+    if sched is not None:  # served with it at every concurrency of its grid, verified there in paired rounds
         scheduled = {"schedule": sched["schedule"], "concurrencies": sorted({*config.concurrencies, *sched["grid"]})}
+        if config.baseline:  # the k served at each point: 0 where an earlier verification made it fall back
+            scheduled["verify"] = {"table": [{"concurrency": r["concurrency"], "speedup": r["speedup"],
+                                              "k": sched_k(sched, r["concurrency"])} for r in sched["table"]],
+                                   "max_batch": sched["max_batch"], "tolerance": config.schedule_tolerance}
         context.log.info(f"serving {why}, at concurrencies {scheduled['concurrencies']}")
     run = gpu_host.run_stage(context, "serve_bench", {
         "engine": engine, "target": upstream_metadata(context, "target_model")["path"],
@@ -227,9 +231,12 @@ def speedup(meta: dict) -> dg.AssetCheckResult:
         return dg.AssetCheckResult(check_name=SPEEDUP, passed=True, severity=dg.AssetCheckSeverity.WARN,
                                    description="no baseline measured", metadata={"speedup": "not measured"})
     per_c = per_c or [(int(meta.get("concurrency") or 1), float(meta["speedup"]))]
-    losing = [(c, s) for c, s in per_c if s < 1.0]
+    # where a schedule serves k = 0 nothing is speculated: what that costs is schedule_never_slower's to judge
+    off = [c for c, _ in per_c if meta.get("schedule") and sched_k({"schedule": meta["schedule"]}, c) == 0]
+    losing = [(c, s) for c, s in per_c if s < 1.0 and c not in off]
     facts = {"speedup": meta.get("speedup"), "lowest_speedup": min(s for _, s in per_c),
-             "concurrencies": [c for c, _ in per_c], **{f"speedup_c{c}": s for c, s in per_c}}
+             "concurrencies": [c for c, _ in per_c], **{f"speedup_c{c}": s for c, s in per_c},
+             **({"not_speculating_at": off} if off else {})}
     where = ", ".join(f"{s:.2f}x at {c} concurrent request{'s' if c > 1 else ''}" for c, s in losing)
     return dg.AssetCheckResult(
         check_name=SPEEDUP, passed=not losing, severity=dg.AssetCheckSeverity.WARN, metadata=facts,

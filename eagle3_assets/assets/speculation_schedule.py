@@ -74,22 +74,40 @@ SCHEDULE_CHECK = "schedule_never_slower"
 
 # the drafter's own (drafter_export's) and the loop's challenger's, once the gate passed it
 SCHEDULES = (dg.AssetKey("speculation_schedule"), dg.AssetKey("challenger_schedule"))
+VERIFIED_BY = dg.AssetKey("serving_benchmark")  # where its verification made a schedule fall back to off somewhere
+
+
+def _records(instance: dg.DagsterInstance, key: dg.AssetKey, engine: str):
+    for rec in instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[engine]),
+                                               limit=20).records:
+        yield rec.storage_id, {k: v.value for k, v in rec.event_log_entry.asset_materialization.metadata.items()}
 
 
 def schedule_for(instance: dg.DagsterInstance, engine: str, checkpoint: str) -> tuple[dict | None, str]:
     """The newest schedule measured for this checkpoint on this engine (by speculation_schedule, or by
-    challenger_schedule for a drafter the loop promoted), or None and why not."""
+    challenger_schedule for a drafter the loop promoted), or None and why not. Where a serving_benchmark of it since
+    made it fall back to off at some concurrency (its verification), the schedule as it fell back: the launch files
+    the benchmark rewrote."""
     found, newest = [], None
     for key in SCHEDULES:
-        for rec in instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[engine]),
-                                                   limit=20).records:
-            meta = {k: v.value for k, v in rec.event_log_entry.asset_materialization.metadata.items()}
+        for storage_id, meta in _records(instance, key, engine):
             newest = newest or meta
             if meta.get("checkpoint") == checkpoint:
-                found.append((rec.storage_id, meta))
+                found.append((storage_id, meta))
                 break
     if found:
-        meta = max(found, key=lambda f: f[0])[1]
+        at, meta = max(found, key=lambda f: f[0])
+        off: list[int] = []
+        # oldest first: a benchmark of a schedule that had fallen back may make it fall back further
+        for storage_id, bench in reversed(list(_records(instance, VERIFIED_BY, engine))):
+            if storage_id > at and bench.get("checkpoint") == checkpoint and bench.get("verified_schedule") \
+                    and meta.get("schedule") is not None and bench.get("schedule") == meta["schedule"]:
+                off = sorted({*off, *bench["fell_back_at"]})
+                meta = {**meta, "schedule": bench["verified_schedule"], "schedule_text": bench["verified_schedule_text"],
+                        "measured_schedule": meta.get("measured_schedule", meta["schedule"]), "fell_back_at": off}
+        if off:
+            return meta, (f"the speculation schedule measured for {checkpoint[:12]}, off at {off} since its "
+                          f"verification (serving_benchmark): {meta['schedule_text']}")
         return meta, f"the speculation schedule measured for {checkpoint[:12]}: {meta['schedule_text']}"
     if newest is None:
         return None, f"no speculation_schedule on {engine}: materialize it (job measure_schedule) for this checkpoint"
@@ -115,8 +133,7 @@ def schedule_check(bench: dict, sched: dict | None, why: str, tolerance: float) 
             description=f"not judged: the schedule was measured on {_where(sched)} (engine version, CPU, ISA, dtype) "
                         f"and served on {_where(bench)}: an engine upgrade or another host re-measures it "
                         "(materialize speculation_schedule)")
-    fixed = {r["concurrency"]: max(r[f"k{k}_tok_s"] for k in sched["ks"] if k) / r["k0_tok_s"]
-             for r in sched["table"] if r["k0_tok_s"]}
+    fixed = {r["concurrency"]: best_fixed(r, sched["ks"]) for r in sched["table"] if r["k0_tok_s"]}
     rows, short = [], []
     for key in sorted((k for k in bench if k.startswith("speedup_c")), key=lambda k: int(k.removeprefix("speedup_c"))):
         c, s = int(key.removeprefix("speedup_c")), float(bench[key])
@@ -125,12 +142,23 @@ def schedule_check(bench: dict, sched: dict | None, why: str, tolerance: float) 
                      if c in fixed else None, "k": sched_k(sched, c)})
         if s < (1 - tolerance) * bar:
             short.append(f"{s:.2f}x at {c} (the better of the target alone and the best fixed k: {bar:.2f}x)")
+    fell = (f"; its verification made it fall back to off at {bench['fell_back_at']} (the launch files now serve "
+            f"{bench['verified_schedule_text']})") if bench.get("fell_back_at") else ""
     return dg.AssetCheckResult(
         check_name=SCHEDULE_CHECK, passed=not short, severity=dg.AssetCheckSeverity.WARN,
         metadata={"per_concurrency": dg.MetadataValue.json(rows), "tolerance": tolerance,
-                  "schedule": sched["schedule_text"]},
+                  "schedule": sched["schedule_text"],
+                  **({"verification": dg.MetadataValue.json(bench["verification"])} if bench.get("verification")
+                     else {})},
         description=None if not short else "the scheduled server falls short of " + "; ".join(short)
-        + f" (tolerance {tolerance:.0%}): re-measure the schedule (speculation_schedule), or widen its grid there")
+        + f" (tolerance {tolerance:.0%}){fell}: re-measure the schedule (speculation_schedule), or widen its grid there")
+
+
+def best_fixed(row: dict, ks: list[int]) -> float:
+    """The best fixed k's speedup at a sweep's concurrency: the best median of its paired rounds' ratios, or (a sweep
+    without rounds) the best tokens/s over the target alone's."""
+    medians = [r["median"] for k in ks if k and isinstance(r := row.get(f"k{k}_ratio"), dict) and r.get("median")]
+    return max(medians) if medians else max(row[f"k{k}_tok_s"] for k in ks if k) / row["k0_tok_s"]
 
 
 def sched_k(sched: dict, c: int) -> int:

@@ -126,7 +126,14 @@ def choose(curve: dict[int, dict[int, float]], max_batch: int, tolerance: float 
                      "speedup": speedup})
         chosen.append((c, k))
         prev = k
-    top = min(points[-1], max_batch)
+    return from_points(chosen, max_batch), rows
+
+
+def from_points(chosen: list[tuple[int, int]], max_batch: int) -> Schedule:
+    """The batch-size ranges from the k chosen at each measured concurrency ((concurrency, k), ascending, the first
+    1), by choose's rule: where k falls, the lower k starts right after the lower point; where it rises, the higher k
+    starts at the higher point; past the largest concurrency measured, off up to `max_batch`."""
+    top = min(chosen[-1][0], max_batch)
     schedule: Schedule = []
     start = 1
     for (c, k), nxt in zip(chosen, chosen[1:] + [(top + 1, None)]):
@@ -143,7 +150,32 @@ def choose(curve: dict[int, dict[int, float]], max_batch: int, tolerance: float 
     if top < max_batch:  # not measured: not speculated on
         schedule = schedule[:-1] + [(schedule[-1][0], max_batch, 0)] if schedule[-1][2] == 0 else \
             schedule + [(top + 1, max_batch, 0)]
-    return check(schedule, max_batch), rows
+    return check(schedule, max_batch)
+
+
+def verify(table: list[dict], verified: dict[int, dict], tolerance: float) -> tuple[list[dict], set[int]]:
+    """The sweep's choice at each concurrency (`table`: choose's rows, `speedup` the chosen k's median ratio to the
+    target alone) against the scheduled server's own paired rounds there (`verified[c]`: spread() of its batches'
+    ratios to the target alone, served in turn). They agree where the verification's median is at most `tolerance`
+    (a share) below the sweep's. A concurrency where the schedule drafts falls back to off where the verification
+    measured it slower than the target alone (median below 1), or where the two disagree and the verification's own
+    rounds do not show a win by the sweep's rule (lower quartile above 1 + WIN_MARGIN, MIN_ROUNDS rounds).
+    Returns one row per concurrency both measured, and the concurrencies to serve off."""
+    rows, off = [], set()
+    for r in table:
+        c, k, swept = r["concurrency"], r["k"], r["speedup"]
+        got = verified.get(c)
+        if not got or got.get("median") is None or swept is None:
+            continue
+        agrees = got["median"] >= swept * (1 - tolerance)
+        won = got["rounds"] >= MIN_ROUNDS and got["q1"] > 1 + WIN_MARGIN
+        falls_back = bool(k) and (got["median"] < 1 or (not agrees and not won))
+        if falls_back:
+            off.add(c)
+        rows.append({"concurrency": c, "k": k, "sweep_speedup": swept, "verified_speedup": got["median"],
+                     "verified_q1": got["q1"], "verified_q3": got["q3"], "rounds": got["rounds"],
+                     "agrees": agrees, "falls_back_to_off": falls_back})
+    return rows, off
 
 
 def vllm_config(method: str, model: str, schedule: Schedule, **extra) -> dict:

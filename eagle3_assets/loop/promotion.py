@@ -40,7 +40,8 @@ class PromotionGateConfig(dg.Config, ServeCompareSettings):
                           "traffic must beat the champion's by this fraction")
     speed_tolerance: float = Field(default=0.05, gt=-1, lt=1, description="the challenger's speedup on the held-out "
                                    "traffic (at the load mix) may fall below the champion's by at most this fraction "
-                                   "(the measurement's noise on a shared host); negative asks for a gain of that much")
+                                   "more than the spread of their paired rounds (speed_noise); negative asks for a "
+                                   "gain of that much")
     eval_tolerance: float = Field(default=0.03, ge=0, lt=1, description="the challenger's acceptance length on the "
                                   "eval set may fall below the champion's by at most this fraction")
     load_window_h: float = Field(default=24, gt=0, description="unless load_mix is given: the load mix the engine's "
@@ -69,15 +70,32 @@ def verdict(figures: dict, margin: float, tolerance: float, speed_tolerance: flo
             ok = False
             why.append(f"{key} not measured")
             continue
-        need = -speed_tolerance if key == "speedup" else margin
+        need, noise = margin, ""
+        if key == "speedup":
+            spread = speed_noise(champ["traffic"].get("speedup_spread"), chall["traffic"].get("speedup_spread"))
+            need = -speed_tolerance - spread
+            noise = f", {speed_tolerance:.0%} and the rounds' spread {spread:.1%}" if spread else ""
         ok &= b >= a * (1 + need)
-        why.append(f"{key} {b:.3f} vs the champion's {a:.3f} ({(b - a) / a:+.1%}, must be >= {need:+.0%})")
+        bar = f"{need:+.1%}" if noise else f"{need:+.0%}"
+        why.append(f"{key} {b:.3f} vs the champion's {a:.3f} ({(b - a) / a:+.1%}, must be >= {bar}{noise})")
     out[BEATS] = (ok, "on the held-out traffic: " + "; ".join(why))
     a, b = champ["eval"]["acceptance_length"], chall["eval"]["acceptance_length"]
     holds = a is not None and b is not None and b >= a * (1 - tolerance)
     out[HOLDS] = (holds, f"on the eval set: acceptance length {b} vs the champion's {a}"
                          + (f" ({(b - a) / a:+.1%}, may fall at most {tolerance:.0%})" if a and b else ""))
     return out
+
+
+def speed_noise(champion: dict | None, challenger: dict | None) -> float:
+    """The noise of two speedups measured in paired rounds (serve_compare's speedup_spread on the traffic: median and
+    quartiles of the batches' ratios to the target alone), as a share: half the sum of their interquartile ranges,
+    each relative to its median. A challenger further below than that (and speed_tolerance) has its upper quartile
+    under the champion's lower one: slower beyond the noise. 0 where a spread was not measured."""
+    def width(s):
+        return (s["q3"] - s["q1"]) / s["median"] if s and s.get("median") and s.get("rounds", 0) >= 3 else None
+
+    a, b = width(champion), width(challenger)
+    return round((a + b) / 2, 4) if a is not None and b is not None else 0.0
 
 
 # The champion is read from production_drafter's record, not taken as an input: the record is downstream of the gate.

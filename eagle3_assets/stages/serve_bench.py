@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from ..common import spec_schedule
 from .base import (
@@ -34,11 +34,21 @@ class ServeBenchSettings(EngineLaunch):
     env: dict[str, str] = Field(default={}, description="server environment (VLLM_CPU_KVCACHE_SPACE, ...)")
     ready_timeout_s: float = Field(default=1200.0, gt=0, description="fail if the server is not healthy by then")
     baseline: bool = Field(default=True, description="also measure the same server without speculation (speedup)")
+    rounds: int = Field(default=4, ge=1, description="paired rounds at each concurrency, at least: the prompts are "
+                        "served in batches of that many requests, the drafter's server and the baseline in turn; "
+                        "the speedup is the median of the batches' ratios, their quartiles its spread")
     start_servers: Literal["auto", "together", "one_at_a_time"] = Field(
         default="auto", description="together: every server the benchmark needs starts at once, then each is "
                                     "measured while the others idle (on a CPU a start is mostly imports, a core "
                                     "each); auto: together on a host without GPUs whose free memory holds them all")
     seed: int = 0
+
+
+class SweepChoice(BaseModel):
+    """What the sweep chose, for the benchmark to verify (speculation_schedule's metadata)."""
+    table: list[dict] = Field(description="its rows: concurrency, the k chosen there, speedup (the k's median ratio)")
+    max_batch: int = Field(gt=0, description="the schedule's last batch size")
+    tolerance: float = Field(ge=0, lt=0.5, description="how far (a share) the verification may measure below it")
 
 
 class ServeBenchArgs(Args, ServeBenchSettings):
@@ -55,6 +65,10 @@ class ServeBenchArgs(Args, ServeBenchSettings):
     schedule: list[list[int]] | None = Field(default=None, description="serve the drafter with this speculation "
                                              "schedule ([first, last, k] batch-size ranges, speculation_schedule's) "
                                              "instead of a fixed num_speculative_tokens")
+
+    verify: SweepChoice | None = Field(default=None, description="with a schedule: the sweep's choice, verified "
+                                       "concurrency by concurrency (spec_schedule.verify); where the schedule falls "
+                                       "back to off, its launch files beside the drafter are rewritten")
 
     @field_validator("schedule")
     @classmethod
@@ -73,6 +87,7 @@ class ServeBenchResult(Result):
     checkpoint: str | None = None
     served_aux_layers: list[int] | None = None
     trained_aux_layers: list[int] | None = None
+    verified_schedule: list[list[int]] | None = None  # the schedule after its verification, where it fell back
 
 
 CONTRACT = Contract(ServeBenchArgs, metadata=ServeBenchResult)

@@ -13,7 +13,7 @@ from conftest import TINY_TRAIN, run_stage
 from eagle3_assets import cli
 from eagle3_assets.common import load_mix
 from eagle3_assets.loop import production
-from eagle3_assets.loop.promotion import BEATS, HOLDS, verdict
+from eagle3_assets.loop.promotion import BEATS, HOLDS, speed_noise, verdict
 from eagle3_assets.story.gateway import OTHER_LANGUAGES, chat_prompts
 from eagle3_assets.worker.data.traffic_split import held_out
 from eagle3_assets.worker.training.data import ShardSet
@@ -124,6 +124,31 @@ def test_the_gate_wants_a_margin_on_the_traffic_and_a_tolerance_on_the_eval_set(
     assert not strict[BEATS][0] and "must be >= +2%" in strict[BEATS][1]
     forgot = verdict(_figures(1.40, 1.70, 1.90, 1.70), margin=0.02, tolerance=0.03)
     assert forgot[BEATS][0] and not forgot[HOLDS][0]
+
+
+def test_the_gate_allows_the_spread_its_rounds_measured_not_a_fixed_guess():
+    """Issue 59: the 2-core preset's speed_tolerance 0.3 let a challenger 30 % slower through. The gate serves both
+    drafters and the target alone in paired rounds; the speed check allows speed_tolerance plus the spread those
+    rounds measured (half the sum of the interquartile ranges, each relative to its median): slower beyond the
+    noise is refused, within it passes, and no spread measured allows the tolerance alone."""
+    figs = _figures(1.40, 1.60, 1.90, 1.90, speedups=(1.20, 1.08))  # 10 % slower
+    assert not verdict(figs, margin=0.02, tolerance=0.03)[BEATS][0]
+    noisy = {"median": 1.2, "q1": 1.1, "q3": 1.3, "rounds": 6}  # an IQR of 0.2: 16.7 % of the median
+    for label in ("champion", "challenger"):
+        figs[label]["traffic"]["speedup_spread"] = {**noisy, "median": figs[label]["traffic"]["speedup"]}
+    assert speed_noise(figs["champion"]["traffic"]["speedup_spread"],
+                       figs["challenger"]["traffic"]["speedup_spread"]) == pytest.approx((0.2 / 1.2 + 0.2 / 1.08) / 2,
+                                                                                         abs=1e-4)
+    within = verdict(figs, margin=0.02, tolerance=0.03)
+    assert within[BEATS][0] and "the rounds' spread 17.6%" in within[BEATS][1], within[BEATS][1]
+    tight = {"median": 1.2, "q1": 1.19, "q3": 1.21, "rounds": 6}
+    for label in ("champion", "challenger"):
+        figs[label]["traffic"]["speedup_spread"] = {**tight, "median": figs[label]["traffic"]["speedup"]}
+    beyond = verdict(figs, margin=0.02, tolerance=0.03)
+    assert not beyond[BEATS][0] and "must be >= -6.8%" in beyond[BEATS][1], beyond[BEATS][1]
+    figs["challenger"]["traffic"]["speedup_spread"]["rounds"] = 2  # too few rounds to say: the tolerance alone
+    assert speed_noise(figs["champion"]["traffic"]["speedup_spread"],
+                       figs["challenger"]["traffic"]["speedup_spread"]) == 0.0
 
 
 def test_the_load_mix_weighs_the_output_each_batch_size_made_and_ignores_idle_windows():

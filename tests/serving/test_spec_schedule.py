@@ -66,6 +66,100 @@ def test_a_k_speculates_only_where_its_paired_rounds_agree_it_wins():
     assert ss.wins([1.03, 1.04, 1.05]) and not ss.wins([0.99, 1.04, 1.05])  # lower quartiles 1.035, 1.015
 
 
+def test_the_verification_falls_back_to_off_where_the_scheduled_server_does_not_pay():
+    """Issue 59: a sweep chose k=2 at 4 on margins its own verification did not find (0.91x at 4, 0.95x at 16). The
+    scheduled server's paired rounds at each concurrency against the sweep's choice: slower than the target alone is
+    off; below the sweep beyond the tolerance but still winning by the sweep's rule keeps its k, said; a point already
+    off is not judged."""
+    table = [{"concurrency": 1, "k": 2, "speedup": 1.41}, {"concurrency": 4, "k": 2, "speedup": 1.06},
+             {"concurrency": 16, "k": 1, "speedup": 1.05}, {"concurrency": 32, "k": 0, "speedup": 1.0}]
+    verified = {1: ss.spread([1.30, 1.28, 1.33, 1.31]),    # below the sweep's 1.41 by 8 %, still a clear win
+                4: ss.spread([0.93, 0.90, 0.92, 0.89]),    # slower than the target alone
+                16: ss.spread([1.04, 0.97, 1.06, 1.00]),   # median 1.02: within 3 % of the sweep's 1.05
+                32: ss.spread([0.95, 0.96, 0.97, 0.96])}   # off already: the k = 0 cost, not judged here
+    rows, off = ss.verify(table, verified, tolerance=0.03)
+    by = {r["concurrency"]: r for r in rows}
+    assert off == {4}
+    assert not by[1]["agrees"] and not by[1]["falls_back_to_off"]  # said, and kept: its own rounds win
+    assert by[4]["verified_speedup"] == 0.91 and by[4]["falls_back_to_off"]
+    assert by[16]["agrees"] and not by[16]["falls_back_to_off"]
+    assert not by[32]["falls_back_to_off"]
+    # at 16 below the tolerance and no win of its own: off too
+    rows, off = ss.verify(table, {**verified, 16: ss.spread([1.01, 0.99, 1.02, 1.0])}, tolerance=0.03)
+    assert off == {4, 16}
+    chosen = [(r["concurrency"], 0 if r["concurrency"] in off else r["k"]) for r in table]
+    assert ss.from_points(chosen, 1024) == [(1, 1, 2), (2, 1024, 0)]
+    assert ss.from_points([(1, 2), (4, 0), (16, 1), (32, 0)], 1024) == [(1, 1, 2), (2, 15, 0), (16, 16, 1),
+                                                                       (17, 1024, 0)]
+
+
+def test_where_the_verification_falls_back_the_benchmark_rewrites_the_launch_files(tmp_path, capsys):
+    """serve_bench's verification: the files a team and the rollout start servers with (beside the export) say the
+    schedule as it fell back, routing.json too; a verification that keeps every k leaves them as the sweep wrote
+    them."""
+    from eagle3_assets.stages.serve_bench import ServeBenchArgs
+    from eagle3_assets.worker import engines
+    from eagle3_assets.worker.report import Reporter
+    from eagle3_assets.worker.serving import bench, launch_files
+
+    export = tmp_path / "exports" / "v1" / "vllm"
+    export.mkdir(parents=True)
+    sweep = [(1, 4, 2), (5, 16, 1), (17, 1024, 0)]
+    launch = tmp_path / "exports" / "v1" / "vllm-launch"
+    launch_files.write(launch, str(export), sweep)
+    table = [{"concurrency": 1, "k": 2, "speedup": 1.4}, {"concurrency": 4, "k": 2, "speedup": 1.1},
+             {"concurrency": 16, "k": 1, "speedup": 1.05}]
+    args = ServeBenchArgs(target="t", drafter=str(export), prompts="p", history="h", out_dir="o",
+                          schedule=[list(r) for r in sweep],
+                          verify={"table": table, "max_batch": 1024, "tolerance": 0.03})
+    results = {("eagle3", c): {"paired_spread": ss.spread(r)} for c, r in
+               {1: [1.38, 1.41, 1.36, 1.4], 4: [1.08, 1.12, 1.09, 1.1], 16: [1.06, 1.04, 1.05, 1.07]}.items()}
+    kept = bench._verify(engines.get("vllm"), args, results, str(export), Reporter())
+    assert kept["verification_agrees"] and "verified_schedule" not in kept and len(kept["verification"]) == 3
+    before = (launch / "speculative_config.vllm.json").read_text()
+    assert json.loads(before)["num_speculative_tokens_per_batch_size"] == [list(r) for r in sweep]
+
+    results[("eagle3", 16)] = {"paired_spread": ss.spread([0.96, 0.94, 0.97, 0.95])}  # served slower at 16
+    fell = bench._verify(engines.get("vllm"), args, results, str(export), Reporter())
+    assert fell["fell_back_at"] == [16] and fell["verified_schedule_text"] == "1-4: k=2, 5-1024: off"
+    cfg = json.loads((launch / "speculative_config.vllm.json").read_text())
+    assert cfg["num_speculative_tokens_per_batch_size"] == [[1, 4, 2], [5, 1024, 0]]
+    assert json.loads((launch / "routing.json").read_text())["speculate_up_to"] == 4
+    assert "the schedule falls back to off at [16]" in capsys.readouterr().err
+
+
+def test_a_schedule_that_fell_back_is_the_one_served_after_its_benchmark():
+    """The rollout, the eye and the next benchmark read the schedule as its verification left it (the launch files the
+    benchmark rewrote), further fallbacks on top; a benchmark of another schedule or checkpoint changes nothing, and
+    a sweep measured again starts over."""
+    import dagster as dg
+
+    from eagle3_assets.assets.speculation_schedule import schedule_for
+
+    sweep = [[1, 4, 2], [5, 16, 1], [17, 1024, 0]]
+    with dg.instance_for_test() as instance:
+        def event(asset: str, **meta):
+            instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="vllm", metadata=meta))
+
+        event("speculation_schedule", checkpoint="a" * 32, schedule=sweep, schedule_text=ss.describe(sweep))
+        event("serving_benchmark", checkpoint="a" * 32, schedule=sweep)  # verified: nothing fell back
+        assert schedule_for(instance, "vllm", "a" * 32)[0]["schedule"] == sweep
+        first = [[1, 4, 2], [5, 1024, 0]]
+        event("serving_benchmark", checkpoint="b" * 32, schedule=sweep, verified_schedule=[[1, 1024, 0]],
+              verified_schedule_text="1-1024: off", fell_back_at=[1, 16])  # another checkpoint's
+        event("serving_benchmark", checkpoint="a" * 32, schedule=sweep, verified_schedule=first,
+              verified_schedule_text=ss.describe(first), fell_back_at=[16])
+        got, why = schedule_for(instance, "vllm", "a" * 32)
+        assert got["schedule"] == first and got["measured_schedule"] == sweep and "off at [16]" in why
+        again = [[1, 1, 2], [2, 1024, 0]]
+        event("serving_benchmark", checkpoint="a" * 32, schedule=first, verified_schedule=again,
+              verified_schedule_text=ss.describe(again), fell_back_at=[4])
+        got, why = schedule_for(instance, "vllm", "a" * 32)
+        assert got["schedule"] == again and got["fell_back_at"] == [4, 16] and got["measured_schedule"] == sweep
+        event("speculation_schedule", checkpoint="a" * 32, schedule=sweep, schedule_text=ss.describe(sweep))
+        assert schedule_for(instance, "vllm", "a" * 32)[0]["schedule"] == sweep
+
+
 @pytest.mark.parametrize("bad, names", [
     ([[1, 4, 3], [4, 16, 0]], "ranges [1, 4, 3] and [4, 16, 0] overlap at batch size 4"),
     ([[2, 16, 3]], "range [2, 16, 3]: the first range must start at batch size 1"),
@@ -132,6 +226,11 @@ def test_the_speedup_check_is_judged_at_every_measured_concurrency():
     assert "1.20x" not in loses.description and loses.metadata["lowest_speedup"].value == 0.81
     pays = speedup({"speedup": 1.46, "speedup_c1": 1.46, "speedup_c16": 1.0})
     assert pays.passed and pays.metadata["concurrencies"].value == [1, 16]
+    # where the schedule serves k = 0 nothing is speculated: that cost is schedule_never_slower's, not this check's
+    off = speedup({"speedup": 1.46, "speedup_c1": 1.46, "speedup_c16": 0.96, "schedule": [[1, 4, 2], [5, 1024, 0]]})
+    assert off.passed and off.metadata["not_speculating_at"].value == [16]
+    drafting = speedup({"speedup": 1.46, "speedup_c1": 1.46, "speedup_c16": 0.96, "schedule": [[1, 1024, 2]]})
+    assert not drafting.passed and "0.96x at 16" in drafting.description
 
 
 def test_a_bad_schedule_is_refused_by_the_benchmark_before_any_server_starts():

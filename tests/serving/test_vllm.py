@@ -87,8 +87,9 @@ def test_vllm_serves_the_export_with_speculation_and_identical_greedy_output(ben
     assert meta["greedy_outputs_identical"] is True, meta["greedy_outputs_matching"]
     for c in (1, 3):
         assert meta[f"output_tokens_per_s_c{c}"] > 0 and meta[f"baseline_output_tokens_per_s_c{c}"] > 0
-        assert meta[f"speedup_c{c}"] == pytest.approx(meta[f"output_tokens_per_s_c{c}"]
-                                                      / meta[f"baseline_output_tokens_per_s_c{c}"], rel=1e-3)
+        # the two servers in turn, batch by batch: the speedup is the median of the paired ratios, in their spread
+        assert meta[f"speedup_rounds_c{c}"] >= 4
+        assert meta[f"speedup_q1_c{c}"] <= meta[f"speedup_c{c}"] <= meta[f"speedup_q3_c{c}"]
         assert meta[f"tpot_ms_mean_c{c}"] > 0 and meta[f"ttft_ms_mean_c{c}"] > 0
     assert meta["served_aux_layers"] == meta["trained_aux_layers"]
     assert "position 0  vllm" in meta["acceptance_chart"] and "position 0  offline" in meta["acceptance_chart"]

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...common import spec_schedule
-from ...common.launch import launch_facts
+from ...common.launch import launch_facts, launch_file
 from .. import engines
 from ..engines import load
 from ..engines.server import EngineServer, free_port, serve_preflight
@@ -39,6 +39,7 @@ from ..errors import StageError
 from ..files import atomic_file, quarantine, require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
+from . import launch_files
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_bench import ServeBenchArgs
@@ -85,27 +86,6 @@ def _vocab_mapping(export_dir: Path, trained_dir: Path) -> str:
     differ = [k for k in ("d2t", "t2d") if k in trained and (k not in served or served[k].shape != trained[k].shape
                                                             or not torch.equal(served[k], trained[k]))]
     return "same" if not differ else "the served " + " and ".join(differ) + " differ from the trained drafter's"
-
-
-def measure(engine, server: EngineServer, requests: list, concurrency: int, max_new: int, k: int, reporter,
-            spec: bool) -> tuple[dict, list]:
-    before = engine.measure_start(server)
-    done = [0]
-
-    def tick(_):
-        done[0] += 1
-        if done[0] % max(1, len(requests) // 4) == 0 or done[0] == len(requests):
-            reporter.log(f"{engine.NAME} {'EAGLE-3' if spec else 'baseline'} c={concurrency}: {done[0]}/{len(requests)} requests")
-
-    responses, wall = load.drive(server.base_url, "target", requests, max_new, concurrency, on_done=tick)
-    failed = [r for r in responses if r.error]
-    if failed:
-        raise StageError(f"{len(failed)}/{len(responses)} requests to {engine.NAME} failed, first: {failed[0].error}"
-                         + (f"\n{why}" if (why := server.died(wait_s=10)) else ""))
-    figures = load.summarize(responses, wall)
-    if spec:
-        figures.update(engine.acceptance(server, before, k))
-    return figures, responses
 
 
 def start_together(choice: str, n: int, target: Path, env: dict, device: str) -> tuple[bool, str]:
@@ -192,20 +172,45 @@ def at_load(requests: list, c: int, batches: int = 2) -> list:
             for i, r in ((i, requests[i % len(requests)]) for i in range(batches * c))]
 
 
-def _measure_server(engine, server: EngineServer, mode: str, levels: list[int], requests: list, concurrencies: list,
-                    max_new: int, k: int, reporter, ready: float, results: dict, texts: dict, out_dir: Path) -> None:
-    spec = mode == "eagle3"
+def measure_in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int, reporter, rounds: int,
+                    baseline: str | None, acceptance: bool = True) -> tuple[dict[str, dict], dict, dict]:
+    """Every server on the same requests, `c` at a time in turn, the order rotating each round (at least `rounds`
+    batches): a slow spell of the host (the daemon's sensor ticks, other work) falls on one server's batch, and a
+    server's speedup is the median of its batches' ratios to the `baseline` server's (paired_speedup; the quartiles
+    in paired_spread), not the sums' ratio. Each server first serves one unmeasured batch at this concurrency: a CPU
+    backend builds its kernels for a new batch shape on first use. Measured one after the other on 2 shared cores,
+    the same drafter ran 22 % slower than its champion at the same acceptance length. Returns each server's figures,
+    its responses and its tokens/s batch by batch."""
+    requests = at_load(requests, c, rounds)  # a median needs rounds
+    for srv in servers.values():
+        load.drive(srv.base_url, "target", requests[:c], 8, c)
+    before = {label: engine.measure_start(srv) for label, srv in servers.items() if acceptance and label != baseline}
+    parts = [requests[i: i + c] for i in range(0, len(requests), c)]
+    rates: dict[str, list[float]] = {}
+    got = drive_in_turn(servers, parts, c, max_new, lambda label: servers[label].name, part_rates=rates,
+                        on_part=lambda r: reporter.log(f"c={c}: {min(len(requests), (r + 1) * c)}/{len(requests)} "
+                                                       "requests on each server") if (r + 1) % 4 == 0 else None)
+    out = {}
+    for label in servers:
+        out[label] = load.summarize(*got[label])
+        if label in before:
+            out[label].update(engine.acceptance(servers[label], before[label], k))
+        if label != baseline and baseline in rates:
+            ratios = [r / b for r, b in zip(rates[label], rates[baseline], strict=True) if r and b]
+            out[label]["paired_speedup"] = paired_speedup(rates[label], rates[baseline])
+            out[label]["paired_spread"] = spec_schedule.spread(ratios)
+            reporter.log(f"{servers[label].name} at {c} at once: {out[label]['paired_speedup']}x the "
+                         f"{servers[baseline].name}, the median of {len(ratios)} rounds' ratios "
+                         + ", ".join(f"{x:.2f}" for x in ratios))
+    return out, {label: got[label][0] for label in servers}, rates
+
+
+def warm(engine, server: EngineServer, requests: list) -> None:
+    """One short request out of the figures: a first request compiles and allocates."""
     if engine.WARM_UP:
-        warm, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)  # compile/warm-up out of the figures
-        if warm[0].error:
-            raise StageError(f"{server.name} refused its first request: {warm[0].error}")
-    for c in levels:
-        figures, responses = measure(engine, server, at_load(requests, c), c, max_new, k, reporter, spec)
-        figures["server_ready_s"] = round(ready, 1)
-        results[(mode, c)] = figures
-        if c == min(concurrencies):
-            texts[mode] = {r.id: r.text for r in responses}
-        _write_requests(out_dir / f"requests-{mode}-c{c}.jsonl", responses)
+        first, _ = load.drive(server.base_url, "target", requests[:1], 4, 1)
+        if first[0].error:
+            raise StageError(f"{server.name} refused its first request: {first[0].error}")
 
 
 def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
@@ -264,35 +269,61 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     reporter.log(why)
     results: dict[tuple[str, int], dict] = {}
     texts: dict[str, dict[str, str]] = {}
+    rounds = int(args.rounds)
+
+    def keep(mode: str, c: int, figures: dict, responses: list, ready: float) -> None:
+        figures["server_ready_s"] = round(ready, 1)
+        results[(mode, c)] = figures
+        if c == min(concurrencies):
+            texts[mode] = {r.id: r.text for r in responses}
+        _write_requests(out_dir / f"requests-{mode}-c{c}.jsonl", responses)
+
     facts = launch_facts(server("eagle3", plans[0][1], []).argv)
     with ExitStack() as running:
-        started: list[tuple[EngineServer, float]] = []
-        if together:
-            t_start = time.monotonic()
+        if together:  # every concurrency in paired rounds: the drafter's server and the baseline in turn
+            t_start, started, ready = time.monotonic(), [], {}
             for mode, levels in plans:
-                srv = running.enter_context(server(mode, levels, [s.port for s, _ in started]))
-                started.append((srv, 0.0))
+                srv = running.enter_context(server(mode, levels, [s.port for s in started]))
+                started.append(srv)
                 reporter.log(f"starting {srv.name}: {' '.join(srv.argv[1:])}")
-            for i, (srv, _) in enumerate(started):  # all started at t_start: each one's ready time counts from it
-                started[i] = (srv, srv.wait_ready(timeout, reporter, since=t_start))
-            reporter.log(f"{len(started)} servers ready after {time.monotonic() - t_start:.0f} s")
-        for i, (mode, levels) in enumerate(plans):
-            if together:
-                srv, ready = started[i]
-            else:  # each starts once the one before has stopped, on a port free then
+            for srv in started:  # all started at t_start: each one's ready time counts from it
+                ready[srv.name] = srv.wait_ready(timeout, reporter, since=t_start)
+                warm(engine, srv, requests)
+            reporter.log(f"{len(started)} servers ready after {time.monotonic() - t_start:.0f} s; measuring them in "
+                         f"turn, at least {rounds} batches of each concurrency")
+            for c in concurrencies:
+                turn = {mode: srv for (mode, levels), srv in zip(plans, started) if c in levels}
+                got, responses, _ = measure_in_turn(engine, turn, requests, c, max_new, k, reporter, rounds,
+                                                    "baseline" if args.baseline else None)
+                for mode in turn:
+                    keep(mode, c, got[mode], responses[mode], ready[turn[mode].name])
+        else:  # a GPU host: one server at a time, its batches paired with the other's by their order
+            rates: dict[tuple[str, int], list[float]] = {}
+            for mode, levels in plans:
                 srv = running.enter_context(server(mode, levels, []))
                 reporter.log(f"starting {srv.name}: {' '.join(srv.argv[1:])}")
-                ready = srv.wait_ready(timeout, reporter)
-                reporter.log(f"{srv.name} ready after {ready:.0f} s")
-            _measure_server(engine, srv, mode, levels, requests, concurrencies, max_new, k, reporter, ready,
-                            results, texts, out_dir)
-            if not together:
+                ready_s = srv.wait_ready(timeout, reporter)
+                reporter.log(f"{srv.name} ready after {ready_s:.0f} s")
+                warm(engine, srv, requests)
+                for c in levels:
+                    got, responses, batch_rates = measure_in_turn(engine, {mode: srv}, requests, c, max_new, k,
+                                                                  reporter, rounds, None, acceptance=mode == "eagle3")
+                    rates[(mode, c)] = batch_rates[mode]
+                    keep(mode, c, got[mode], responses[mode], ready_s)
                 srv.stop()
+            for c in concurrencies:
+                if ("baseline", c) in rates:
+                    ratios = [r / b for r, b in zip(rates[("eagle3", c)], rates[("baseline", c)]) if r and b]
+                    results[("eagle3", c)].update(paired_speedup=paired_speedup(rates[("eagle3", c)],
+                                                                                rates[("baseline", c)]),
+                                                  paired_spread=spec_schedule.spread(ratios))
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
     summary["metadata"].update(dtype_info, language_model_only=text_only, k0_plugin=k0_plugin(engine, info), **facts)
     if schedule:
         summary["metadata"].update(schedule=schedule, schedule_text=spec_schedule.describe([tuple(r) for r in schedule]))
+        if args.verify is not None:
+            summary["metadata"].update(_verify(engine, args, results, str(drafter), reporter))
     summary["metadata"].update(layer_wiring(engine.NAME, drafter, resolve(workdir, args.trained_drafter)
                                             if args.trained_drafter else None, target))
     append_history(history, summary["rows"], reporter, moved)
@@ -303,6 +334,33 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
     version = hashlib.sha256(json.dumps(summary["rows"], sort_keys=True, default=str).encode()).hexdigest()[:32]
     reporter.materialize(metadata=meta, data_version=version)
     reporter.result({"metadata": meta, "rows": summary["rows"]})
+
+
+def _verify(engine, args: ServeBenchArgs, results: dict, drafter: str, reporter) -> dict:
+    """The sweep's choice against the scheduled server's paired rounds (spec_schedule.verify), said in the log; where
+    the schedule falls back to off somewhere, the schedule so changed and its launch files rewritten beside the
+    drafter (what the rollout and a team's `vllm serve` start with)."""
+    sweep = args.verify
+    measured = {c: f["paired_spread"] for (mode, c), f in results.items() if mode == "eagle3" and f.get("paired_spread")}
+    rows, off = spec_schedule.verify(sweep.table, measured, sweep.tolerance)
+    for r in rows:
+        reporter.log(f"verification at {r['concurrency']}: k={r['k']} {r['verified_speedup']:.3f}x (rounds "
+                     f"{r['verified_q1']:.2f}-{r['verified_q3']:.2f}) against the sweep's {r['sweep_speedup']:.3f}x: "
+                     + ("agrees" if r["agrees"] else f"below it by more than {sweep.tolerance:.0%}")
+                     + ("; falls back to off there" if r["falls_back_to_off"] else ""),
+                     "warning" if r["falls_back_to_off"] or not r["agrees"] else "info")
+    meta = {"verification": rows, "verification_agrees": all(r["agrees"] for r in rows),
+            "verification_tolerance": sweep.tolerance}
+    if not off:
+        return meta
+    chosen = [(r["concurrency"], 0 if r["concurrency"] in off else r["k"]) for r in sweep.table]
+    verified = spec_schedule.from_points(chosen, sweep.max_batch)
+    files = launch_files.write(launch_file(drafter, engine.NAME).parent, drafter, verified)
+    text = spec_schedule.describe(verified)
+    reporter.log(f"the schedule falls back to off at {sorted(off)}: {text}; its launch files rewritten "
+                 f"({', '.join(files.values())})", "warning")
+    return {**meta, "verified_schedule": [list(r) for r in verified], "verified_schedule_text": text,
+            "fell_back_at": sorted(off), "launch_files": files}
 
 
 def _write_requests(path: Path, responses: list) -> None:
@@ -318,7 +376,10 @@ def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
     for c in concurrencies:
         spec, base = results.get(("eagle3", c), {}), results.get(("baseline", c))
         meta["requests"] = spec.get("requests")
-        speedup = spec["output_tokens_per_s"] / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None
+        # paired rounds' median where the servers ran in turn; the sums' ratio for a benchmark without rounds
+        speedup = spec.get("paired_speedup") or (spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+                                                 if base and base["output_tokens_per_s"] else None)
+        spread = spec.get("paired_spread") or {}
         row = {"engine": engine.NAME, "engine_version": info["version"], "checkpoint": args.checkpoint,
                "prompt_set": args.prompt_set, "num_speculative_tokens": k, "concurrency": c,
                "max_new_tokens": int(args.max_new_tokens), "requests": spec.get("requests"),
@@ -337,6 +398,9 @@ def _summary(engine, info, results, texts, concurrencies, k, args) -> dict:
                 meta[f"{key}_c{c}"] = round(float(row[key]), 4)
         for i, p in enumerate(row["acceptance_per_pos"] or []):
             meta[f"acceptance_pos{i}_c{c}"] = round(p, 4)
+        if spread.get("rounds"):  # the speedup's spread over the paired rounds
+            meta.update({f"speedup_q1_c{c}": spread["q1"], f"speedup_q3_c{c}": spread["q3"],
+                         f"speedup_rounds_c{c}": spread["rounds"]})
     first = rows[0]
     meta["acceptance_length"] = first["acceptance_length"]  # at the lowest concurrency: the headline figure
     meta.update(_acceptance_k(args.schedule, first["concurrency"], k))

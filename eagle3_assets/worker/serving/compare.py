@@ -24,13 +24,13 @@ from ..errors import StageError
 from ..files import require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
-from .bench import at_load, drive_in_turn, measure, paired_speedup, start_together
+from .bench import measure_in_turn, start_together
 from .load_curve import batch_limit, write_schedule
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
     from ...stages.serve_compare import ServeCompareArgs
 
-PARTS = 3  # batches of `c` requests each server serves at least, in turn, when the servers run together (_in_turn)
+PARTS = 3  # batches of `c` requests each server serves at least, in turn when the servers run together (bench.measure_in_turn)
 BASELINE = "baseline"
 TOLERANCE = 0.03  # the load_curve stage's default: a k kept from the concurrency below while within 3 %
 
@@ -106,12 +106,13 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                 warm(srv)
             reporter.log(f"measuring the {len(labels)} servers in turn, a batch of {c} requests each at a time")
             for name, requests in sets.items():
-                for label, got in _in_turn(engine, started, requests, c, max_new, k, reporter).items():
+                for label, got in measure_in_turn(engine, started, requests, c, max_new, k, reporter, PARTS,
+                                                  BASELINE)[0].items():
                     _keep(figures, label, name, got, reporter)
                     paired[label][(name, c)] = got.get("paired_speedup")
             for level in more:
-                for label, got in _in_turn(engine, started, at_load(sets[mix_set], level), level, max_new, k, reporter,
-                                           acceptance=False).items():
+                for label, got in measure_in_turn(engine, started, sets[mix_set], level, max_new, k, reporter,
+                                                  PARTS, BASELINE, acceptance=False)[0].items():
                     at[label][level] = got["output_tokens_per_s"]
                     paired[label][(mix_set, level)] = got.get("paired_speedup")
         else:
@@ -120,10 +121,12 @@ def run(workdir: str, args: ServeCompareArgs, reporter) -> None:
                 srv.wait_ready(float(args.ready_timeout_s), reporter)
                 warm(srv)
                 for name, requests in sets.items():
-                    got, _ = measure(engine, srv, requests, c, max_new, k, reporter, label != BASELINE)
+                    got = measure_in_turn(engine, {label: srv}, requests, c, max_new, k, reporter, PARTS, None,
+                                          acceptance=label != BASELINE)[0][label]
                     _keep(figures, label, name, got, reporter)
                 for level in more:
-                    got, _ = measure(engine, srv, at_load(sets[mix_set], level), level, max_new, k, reporter, False)
+                    got = measure_in_turn(engine, {label: srv}, sets[mix_set], level, max_new, k, reporter, PARTS,
+                                          None, acceptance=False)[0][label]
                     at[label][level] = got["output_tokens_per_s"]
                 srv.stop()
     if mix:  # every server's tokens/s on the mix's set by concurrency, the first pass's at c
@@ -199,6 +202,8 @@ def schedule_from_batches(args, workdir: str, drafters: dict, figures: dict, mix
 def _keep(figures: dict, label: str, name: str, got: dict, reporter) -> None:
     figures.setdefault(label, {})[name] = {key: got.get(key) for key in (
         "acceptance_length", "acceptance_per_pos", "output_tokens_per_s", "requests")}
+    if got.get("paired_spread"):  # the speedup's spread over the rounds: the gate's noise
+        figures[label][name]["speedup_spread"] = got["paired_spread"]
     reporter.log(f"{label} on {name}: acceptance length {got.get('acceptance_length')}, "
                  f"{got.get('output_tokens_per_s')} tokens/s")
 
@@ -216,34 +221,3 @@ def _at_mix(mine: dict, base: dict, mix: dict, label: str, reporter, paired: dic
     mine["speedup"] = round(got, 4) if got is not None else None
     reporter.log(f"{label}: speedup {mine['speedup']} at the load mix ({load_mix.describe(mix)}); by concurrency "
                  + ", ".join(f"{x}: {v}x" for x, v in mine["speedup_by_concurrency"].items()))
-
-
-def _in_turn(engine, servers: dict, requests: list, c: int, max_new: int, k: int, reporter,
-             acceptance: bool = True) -> dict[str, dict]:
-    """Every server on the same requests, `c` at a time in turn, the order rotating each part: a slow spell of the
-    host (the daemon's sensor ticks, other work) falls on one server's part, and the speedup is the median of the
-    parts' ratios to the baseline (bench.paired_speedup), not the sums' ratio. Each server first serves one
-    unmeasured batch at this concurrency: a CPU backend builds its kernels for a new batch shape on first use.
-    Measured one after the other on 2 shared cores, the same drafter ran 22 % slower than its champion at the same
-    acceptance length, and the gate refused a challenger 21 % better on the new traffic for its speed."""
-    labels = list(servers)
-    requests = at_load(requests, c, PARTS)  # a median needs parts
-    for srv in servers.values():
-        load.drive(srv.base_url, "target", requests[:c], 8, c)
-    before = {label: engine.measure_start(srv) for label, srv in servers.items()}
-    parts = [requests[i: i + c] for i in range(0, len(requests), c)]
-    rates: dict[str, list[float]] = {}
-    got = drive_in_turn(servers, parts, c, max_new, lambda label: f"{engine.NAME} ({label})", part_rates=rates,
-                        on_part=lambda r: reporter.log(f"{min(len(requests), (r + 1) * c)}/{len(requests)} "
-                                                       "requests on each server") if (r + 1) % 4 == 0 else None)
-    out = {}
-    for label in labels:
-        out[label] = load.summarize(*got[label])
-        if acceptance and label != BASELINE:
-            out[label].update(engine.acceptance(servers[label], before[label], k))
-        if label != BASELINE and BASELINE in rates:
-            out[label]["paired_speedup"] = paired_speedup(rates[label], rates[BASELINE])
-            reporter.log(f"{label} at {c} at once: {out[label]['paired_speedup']}x, the median of its batches' "
-                         "speedups " + ", ".join(f"{r / b:.2f}" if b else "-" for r, b in
-                                                  zip(rates[label], rates[BASELINE], strict=True)))
-    return out

@@ -3,10 +3,10 @@
 A server per k (k = 0: the target alone, then each k from 1 to the deepest asked), the same launch settings. At each
 concurrency of the grid every server serves the same requests in turn (a few batches each, the order rotating), so a
 slow spell of the host falls on all of them alike; output tokens/s and time per output token per (k, concurrency).
-The schedule is chosen from that table (eagle3_assets/common/spec_schedule.py: the best k per concurrency, k = 0
-where the target alone is faster) and written in each engine's form: `speculative_config.vllm.json` (pass it as it
-is: `vllm serve ... --speculative-config "$(cat speculative_config.vllm.json)"`) and `adaptive.sglang.json` (for
-SGLang's `--speculative-adaptive --speculative-adaptive-config`; SGLang does not run here)."""
+The schedule is chosen from the rounds' ratios (eagle3_assets/common/spec_schedule.py: a k where its paired rounds
+win beyond the noise, else off) and written in each engine's form (launch_files.py): `speculative_config.vllm.json`
+and `adaptive.sglang.json` (for SGLang's `--speculative-adaptive --speculative-adaptive-config`; SGLang does not run
+here)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ..errors import StageError
 from ..files import atomic_file, require_file, resolve
 from ..target.chat import first_turn_prompt
 from ..target.model import load_tokenizer
+from . import launch_files
 from .bench import drive_in_turn, k0_plugin, start_together
 
 if TYPE_CHECKING:  # the contract, for annotations only: code_versions ties each stage to its own
@@ -134,16 +135,7 @@ def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float
     engine, its version, the host's processor and dtype). Also the promotion gate's, from its own batches."""
     ks, grid = sorted(curve), sorted(curve[0])
     schedule, choice_rows = spec_schedule.choose(curve, max_batch=max_batch, tolerance=tolerance, rounds=rounds)
-    files = {}
-    if vllm_cfg := spec_schedule.vllm_config("eagle3", drafter, schedule):
-        files["vllm_speculative_config"] = _write(out_dir / "speculative_config.vllm.json", spec_schedule.dumps(vllm_cfg))
-    else:  # a schedule that never drafts: no config left from an earlier one to start a server with
-        (out_dir / "speculative_config.vllm.json").unlink(missing_ok=True)
-    files["sglang_adaptive_config"] = _write(out_dir / "adaptive.sglang.json",
-                                             json.dumps(spec_schedule.sglang_adaptive_config(schedule), indent=1))
-    # a fleet's router: requests in flight below this go to the drafter's servers, the rest to servers without one
-    files["routing"] = _write(out_dir / "routing.json", json.dumps(
-        {"speculate_up_to": spec_schedule.speculate_up_to(schedule), "schedule": spec_schedule.describe(schedule)}))
+    files = launch_files.write(out_dir, drafter, schedule)
     for r in choice_rows:
         r["tpot_ms"] = {k: (tpot or {}).get(k, {}).get(r["concurrency"]) for k in ks}
     meta = {**about, "grid": grid, "ks": ks, "decision": "paired rounds: a k speculates where the lower quartile of "
@@ -155,7 +147,8 @@ def write_schedule(out_dir: Path, drafter: str, curve: dict[int, dict[int, float
             "table": choice_rows, "max_batch": max_batch, "tolerance": tolerance,
             "path": str(out_dir), **files,
             "speedup_at_1": choice_rows[0]["speedup"], f"speedup_at_{grid[-1]}": choice_rows[-1]["speedup"]}
-    _write(out_dir / "load_curve.json", json.dumps(meta, indent=1, default=str))
+    with atomic_file(out_dir / "load_curve.json") as tmp:
+        tmp.write_text(json.dumps(meta, indent=1, default=str))
     return meta
 
 
@@ -187,9 +180,3 @@ def _point_line(c: int, table: dict, ratios: dict) -> str:
 
     return f"concurrency {c}: " + ", ".join(f"k={k} {table[k][c]['output_tokens_per_s']:.1f} tok/s"
                                              + (ratio(k) if k else "") for k in sorted(table))
-
-
-def _write(path, text: str) -> str:
-    with atomic_file(path) as tmp:
-        tmp.write_text(text)
-    return str(path)
