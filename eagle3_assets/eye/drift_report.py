@@ -215,6 +215,7 @@ def report(context: dg.AssetExecutionContext, config: DriftReportConfig, gpu_hos
                        else (reference, "its eval set"))
         served_meta, served_line = where_served(day_served, served_m, ref, source, settings.offline_drop)
         meta.update(served_meta)
+        meta.setdefault("traffic_day", day_served)  # the day read, replayed or not
         lines.append(served_line)
     elif not replay and signal != "collapse":  # a collapse is not located in the traffic
         lines.append("**Where**: no traffic replay nor served figures to locate it: set EAGLE3_TRAFFIC_LOGS (or "

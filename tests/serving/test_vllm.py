@@ -229,7 +229,8 @@ def test_server_dying_mid_load_fails_clearly_and_leaves_no_process(overfit, tmp_
     watcher.join()
     assert killed, "the server was never seen serving"
     assert done.returncode != 0
-    assert "requests to vllm failed" in done.stderr and "exited with status -9" in done.stderr, done.stderr[-3000:]
+    assert "requests to vllm (eagle3) failed" in done.stderr and "exited with status -9" in done.stderr, \
+        done.stderr[-3000:]
     time.sleep(1)
     assert _engine_processes("vllm.entrypoints.openai.api_server") == []
 
