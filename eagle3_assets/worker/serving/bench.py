@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -153,13 +152,18 @@ def drive_in_turn(servers: dict, parts: list[list], c: int, max_new: int, name, 
     return got
 
 
+def paired(rates: list[float], base_rates: list[float]) -> dict:
+    """A server's speedup over the baseline from batches both served back to back (drive_in_turn's part_rates): the
+    spread (spec_schedule.spread: median, quartiles, rounds) of the per-batch ratios. A stall of the host (a
+    sensor's tick, a kernel built on first use of a shape) that falls on one server's batch moves one ratio, not the
+    figure; over the batches' sum it once read a challenger 27 % better in acceptance at 0.54x the target alone, its
+    champion at 1.00x."""
+    return spec_schedule.spread([r / b for r, b in zip(rates, base_rates, strict=True) if r and b])
+
+
 def paired_speedup(rates: list[float], base_rates: list[float]) -> float | None:
-    """A server's speedup over the baseline from parts both served back to back (drive_in_turn's part_rates): the
-    median of the per-part ratios. A stall of the host (a sensor's tick, a kernel built on first use of a shape) that
-    falls on one server's part moves one ratio, not the figure; over the parts' sum it once read a challenger 27 %
-    better in acceptance at 0.54x the target alone, its champion at 1.00x."""
-    ratios = [r / b for r, b in zip(rates, base_rates, strict=True) if r and b]
-    return round(statistics.median(ratios), 4) if ratios else None
+    """The median of `paired`: the speedup figure."""
+    return paired(rates, base_rates)["median"]
 
 
 def at_load(requests: list, c: int, batches: int = 2) -> list:
@@ -202,12 +206,10 @@ def measure_in_turn(engine, servers: dict, requests: list, c: int, max_new: int,
         if label in before:
             out[label].update(engine.acceptance(servers[label], before[label], k))
         if label != baseline and baseline in rates:
-            ratios = [r / b for r, b in zip(rates[label], rates[baseline], strict=True) if r and b]
-            out[label]["paired_speedup"] = paired_speedup(rates[label], rates[baseline])
-            out[label]["paired_spread"] = spec_schedule.spread(ratios)
-            reporter.log(f"{servers[label].name} at {c} at once: {out[label]['paired_speedup']}x the "
-                         f"{servers[baseline].name}, the median of {len(ratios)} rounds' ratios "
-                         + ", ".join(f"{x:.2f}" for x in ratios))
+            spread = paired(rates[label], rates[baseline])
+            out[label].update(paired_speedup=spread["median"], paired_spread=spread)
+            reporter.log(f"{servers[label].name} at {c} at once: {spread['median']}x the {servers[baseline].name}, "
+                         f"the median of {spread['rounds']} rounds' ratios (quartiles {spread['q1']}-{spread['q3']})")
     return out, {label: got[label][0] for label in servers}, rates
 
 
@@ -318,10 +320,8 @@ def run(workdir: str, args: ServeBenchArgs, reporter) -> None:
                 srv.stop()
             for c in concurrencies:
                 if ("baseline", c) in rates:
-                    ratios = [r / b for r, b in zip(rates[("eagle3", c)], rates[("baseline", c)]) if r and b]
-                    results[("eagle3", c)].update(paired_speedup=paired_speedup(rates[("eagle3", c)],
-                                                                                rates[("baseline", c)]),
-                                                  paired_spread=spec_schedule.spread(ratios))
+                    spread = paired(rates[("eagle3", c)], rates[("baseline", c)])
+                    results[("eagle3", c)].update(paired_speedup=spread["median"], paired_spread=spread)
 
     summary = _summary(engine, info, results, texts, concurrencies, k, args)
     summary["metadata"].update(dtype_info, language_model_only=text_only, k0_plugin=k0_plugin(engine, info), **facts)
