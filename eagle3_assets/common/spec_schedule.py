@@ -81,7 +81,11 @@ def spread(ratios: list[float]) -> dict:
 
 def wins(ratios: list[float], margin: float = WIN_MARGIN) -> bool:
     """The rule: at least MIN_ROUNDS paired rounds whose lower quartile is above 1 + margin."""
-    s = spread(ratios)
+    return spread_wins(spread(ratios), margin)
+
+
+def spread_wins(s: dict, margin: float = WIN_MARGIN) -> bool:
+    """`wins`, on rounds already summed up by `spread`."""
     return s["rounds"] >= MIN_ROUNDS and s["q1"] > 1 + margin
 
 
@@ -168,7 +172,7 @@ def verify(table: list[dict], verified: dict[int, dict], tolerance: float) -> tu
         if not got or got.get("median") is None or swept is None:
             continue
         agrees = got["median"] >= swept * (1 - tolerance)
-        won = got["rounds"] >= MIN_ROUNDS and got["q1"] > 1 + WIN_MARGIN
+        won = spread_wins(got)
         falls_back = bool(k) and (got["median"] < 1 or (not agrees and not won))
         if falls_back:
             off.add(c)
